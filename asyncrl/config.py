@@ -1,0 +1,323 @@
+"""The run configuration: a typed schema, loaded from YAML plus overrides.
+
+``load_config("configs/quickstart.yaml", ["buffer.max_staleness=2"])`` returns a
+validated :class:`Config` or raises :class:`ConfigError`, whose message holds
+one line per problem, each naming where it came from (``file:line`` or the
+override), the key path, and what was expected; an unknown key also names the
+closest valid one. Every error is reported at once, before any process starts.
+
+This module imports no torch, so ``asyncrl --help`` and validation stay fast.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    """Strict base: unknown keys are errors, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str = "run"
+    """Prefix of the run directory's name."""
+    seed: int = 0
+    """Seeds the dataset order, model init and sampling."""
+    total_steps: int = Field(100, ge=1)
+    """Learner steps (optimizer updates) to run."""
+    output_dir: str = "runs"
+    """Where run directories are created, unless `--run-dir` names one."""
+
+
+class TinyModelConfig(_Section):
+    """A small Qwen2-style causal LM built from a config: no download needed."""
+
+    hidden_size: int = Field(64, ge=8)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    intermediate_size: int = Field(128, ge=8)
+    max_position_embeddings: int = Field(128, ge=8)
+
+
+class ModelConfig(_Section):
+    name_or_path: str | None = None
+    """A Hugging Face model name or local path. Leave empty to build `tiny`."""
+    tiny: TinyModelConfig | None = None
+    """Build a small model from this config with the built-in tokenizer."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> ModelConfig:
+        if (self.name_or_path is None) == (self.tiny is None):
+            raise ValueError("set exactly one of model.name_or_path or model.tiny")
+        return self
+
+
+class TaskConfig(_Section):
+    """The built-in synthetic task (see :mod:`asyncrl.tasks`)."""
+
+    name: Literal["digits"] = "digits"
+    """`digits`: given a string of digits, answer each digit plus `shift`, mod 10."""
+    num_digits: int = Field(3, ge=1, le=16)
+    shift: int = Field(1, ge=1, le=9)
+
+
+class AlgorithmConfig(_Section):
+    group_size: int = Field(8, ge=1)
+    """Samples generated per prompt (one group; GRPO normalises within it)."""
+    prompts_per_step: int = Field(8, ge=1)
+    """Groups in one learner batch."""
+    advantage: Literal["grpo"] = "grpo"
+    normalize_std: bool = True
+    """GRPO: divide by the group's reward std (off gives Dr. GRPO's advantage)."""
+    clip_low: float = Field(0.2, ge=0.0)
+    clip_high: float = Field(0.2, ge=0.0)
+    correction: Literal["none", "tis"] = "tis"
+    """Behavior correction: `tis` weights each token by min(pi_prox/pi_behavior, C)."""
+    correction_cap: float = Field(2.0, gt=0.0)
+    """C, the truncation of the behavior importance weight."""
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.group_size * self.prompts_per_step
+
+
+class BufferConfig(_Section):
+    max_staleness: int = Field(1, ge=0)
+    """k: never train on a trajectory produced more than k versions ago."""
+    admission_control: bool = True
+    """Hand out prompts only while started samples fit in (V+k+1)*samples_per_step."""
+
+
+class LearnerConfig(_Section):
+    lr: float = Field(1e-3, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    grad_clip: float = Field(1.0, gt=0.0)
+    sync_interval: int = Field(1, ge=1)
+    """Publish weights every this many versions."""
+    num_threads: int = Field(1, ge=1)
+    """torch intra-op threads for the learner process."""
+
+
+class GeneratorsConfig(_Section):
+    replicas: int = Field(2, ge=1)
+    backend: Literal["hf"] = "hf"
+    chunk_tokens: int = Field(4, ge=1)
+    """Tokens generated between checks for newer weights (partial rollouts)."""
+    max_new_tokens: int = Field(8, ge=1)
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    """0 disables top-k."""
+    max_active_samples: int = Field(64, ge=1)
+    """Sequences one replica generates together."""
+    num_threads: int = Field(1, ge=1)
+
+
+class TrackingConfig(_Section):
+    aim: bool = True
+    """Track metrics in an aim repo inside the run directory."""
+
+
+class ClusterConfig(_Section):
+    host: str = "127.0.0.1"
+    """Interface the buffer and weight endpoints bind to."""
+    buffer_port: int = Field(0, ge=0, le=65535)
+    """0 picks a free port at launch."""
+    weights_port: int = Field(0, ge=0, le=65535)
+
+
+class Config(_Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig
+    task: TaskConfig = TaskConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    buffer: BufferConfig = BufferConfig()
+    learner: LearnerConfig = LearnerConfig()
+    generators: GeneratorsConfig = GeneratorsConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    cluster: ClusterConfig = ClusterConfig()
+
+    @model_validator(mode="after")
+    def _weights_fresh_enough(self) -> Config:
+        k = self.buffer.max_staleness
+        if self.learner.sync_interval > k + 1:
+            raise ValueError(
+                f"learner.sync_interval={self.learner.sync_interval} must be at most "
+                f"buffer.max_staleness + 1 = {k + 1}: generators would only hold weights "
+                "too stale to train on; raise buffer.max_staleness or lower learner.sync_interval"
+            )
+        return self
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; ``str()`` gives one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+# --------------------------------------------------------------------------
+# loading
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read YAML at ``path`` (optional), apply ``key.path=value`` overrides, validate."""
+    raw: dict[str, Any] = {}
+    origins: dict[tuple[str, ...], str] = {}
+    problems: list[str] = []
+    if path is not None:
+        raw, origins = _read_yaml(Path(path))
+    for override in overrides or []:
+        try:
+            keys, value = _parse_override(override)
+        except ValueError as error:
+            problems.append(str(error))
+            continue
+        _set_path(raw, keys, value)
+        origins[keys] = f"override '{override}'"
+    if problems:
+        raise ConfigError(problems)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as error:
+        raise ConfigError([_describe(e, origins) for e in error.errors()]) from None
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as error:
+        raise ConfigError([_describe(e, {}) for e in error.errors()]) from None
+
+
+def save_config(config: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+
+
+def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], str]]:
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError([f"{path}: cannot read config: {error.strerror}"]) from None
+    try:
+        node = yaml.compose(text)
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(
+            [f"{where}: not valid YAML: {getattr(error, 'problem', error)}"]
+        ) from None
+    if raw is None:
+        return {}, {}
+    if not isinstance(raw, dict):
+        raise ConfigError([f"{path}: expected a mapping of sections at the top level"])
+    origins: dict[tuple[str, ...], str] = {}
+    _record_lines(node, (), path, origins)
+    return raw, origins
+
+
+def _record_lines(node: yaml.Node, prefix: tuple[str, ...], path: Path, out: dict) -> None:
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            keys = (*prefix, str(key_node.value))
+            out[keys] = f"{path}:{key_node.start_mark.line + 1}"
+            _record_lines(value_node, keys, path, out)
+
+
+def _parse_override(text: str) -> tuple[tuple[str, ...], Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ValueError(f"override '{text}': expected key.path=value, e.g. buffer.max_staleness=2")
+    try:
+        parsed = yaml.safe_load(value) if value else ""
+    except yaml.YAMLError:
+        parsed = value
+    return tuple(key.split(".")), parsed
+
+
+def _set_path(raw: dict[str, Any], keys: tuple[str, ...], value: Any) -> None:
+    node = raw
+    for key in keys[:-1]:
+        if not isinstance(node.get(key), dict):
+            node[key] = {}
+        node = node[key]
+    node[keys[-1]] = value
+
+
+# --------------------------------------------------------------------------
+# error messages
+
+
+def _describe(error: dict[str, Any], origins: dict[tuple[str, ...], str]) -> str:
+    loc = tuple(str(part) for part in error["loc"])
+    key = ".".join(loc) or "(top level)"
+    where = _origin(loc, origins)
+    if error["type"] == "extra_forbidden":
+        return f"{where}: unknown key '{key}'{_suggestion(loc)}"
+    if error["type"] == "missing":
+        return f"{where}: missing required key '{key}'"
+    message = error["msg"].removeprefix("Value error, ")
+    if "input" in error and error["type"] != "value_error" and not isinstance(error["input"], dict):
+        message += f", got {error['input']!r}"
+    return f"{where}: {key}: {message}"
+
+
+def _origin(loc: tuple[str, ...], origins: dict[tuple[str, ...], str]) -> str:
+    for end in range(len(loc), 0, -1):
+        if loc[:end] in origins:
+            return origins[loc[:end]]
+    return "config"
+
+
+def _suggestion(loc: tuple[str, ...]) -> str:
+    """Closest valid key: in the same section, else any key with a similar leaf name."""
+    section = _model_at(loc[:-1])
+    if section is not None:
+        close = difflib.get_close_matches(loc[-1], list(section.model_fields), n=1, cutoff=0.6)
+        if close:
+            return f"; did you mean '{'.'.join((*loc[:-1], close[0]))}'?"
+    leaves = {path[-1]: path for path in _all_paths(Config)}
+    close = difflib.get_close_matches(loc[-1], list(leaves), n=1, cutoff=0.75)
+    if close:
+        return f"; did you mean '{'.'.join(leaves[close[0]])}'?"
+    if section is not None:
+        return f"; valid keys here: {', '.join(section.model_fields)}"
+    return ""
+
+
+def _model_at(loc: tuple[str, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        sub = _section_type(field.annotation)
+        if sub is None:
+            return None
+        model = sub
+    return model
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    for candidate in (annotation, *getattr(annotation, "__args__", ())):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _all_paths(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    paths = []
+    for name, field in model.model_fields.items():
+        sub = _section_type(field.annotation)
+        paths += _all_paths(sub, (*prefix, name)) if sub else [(*prefix, name)]
+    return paths

@@ -1,0 +1,275 @@
+"""Every message that crosses a socket, and how it is encoded.
+
+A message is a ZeroMQ multipart message::
+
+    frame 0      msgpack header: Envelope(schema_version, body, arrays)
+    frame 1..n   raw bytes of each array named in ``arrays``, sent zero-copy
+
+``body`` is one of the tagged structs below; its ``type`` field picks it. The
+header is decoded by msgspec against these types, so a wrongly typed field, an
+unknown type or a missing field is rejected with the path of the bad field.
+Array frames are checked against the body's declared arrays (names, dtypes,
+byte sizes). Nothing here unpickles: a peer can send data, never code.
+
+Decoding raises :class:`WireError` with a short ``reason`` that receivers count
+(``rejected/<reason>``) before they carry on serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import msgspec
+import numpy as np
+
+SCHEMA_VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 31
+"""Default ceiling on one message (header plus frames); receivers may lower it."""
+
+
+class WireError(ValueError):
+    """A malformed message. ``reason`` is a short label for counting."""
+
+    def __init__(self, reason: str, detail: str):
+        self.reason = reason
+        super().__init__(f"{reason}: {detail}")
+
+
+class ArraySpec(msgspec.Struct, array_like=True, frozen=True):
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class _Body(msgspec.Struct, tag_field="type", forbid_unknown_fields=True):
+    ARRAYS: ClassVar[dict[str, str]] = {}
+    """Arrays this message carries, name -> dtype; empty for header-only messages."""
+
+
+# --------------------------------------------------------------------------
+# generator <-> buffer
+
+
+class WorkRequest(_Body, tag="work_request"):
+    """A generator asks for prompts. ``WorkRequest("gen-0", max_samples=16)``."""
+
+    generator_id: str
+    max_samples: int
+
+
+class WorkItem(msgspec.Struct, forbid_unknown_fields=True):
+    """One prompt to sample ``num_samples`` times; the samples form group ``group_id``."""
+
+    group_id: int
+    num_samples: int
+    prompt_ids: list[int]
+    ground_truth: str
+    data_source: str = ""
+
+
+class WorkGrant(_Body, tag="work_grant"):
+    """The buffer's answer: items to generate (maybe none), and its view of the version.
+
+    ``WorkGrant(items=[WorkItem(7, 8, [3, 4, 5], "456")], policy_version=3)``;
+    with no items the generator waits ``retry_after_s`` before asking again.
+    """
+
+    items: list[WorkItem]
+    policy_version: int
+    retry_after_s: float = 0.0
+
+
+class TrajectoryMeta(msgspec.Struct, forbid_unknown_fields=True):
+    """Per-sample fields of a trajectory; its tokens travel in the array frames."""
+
+    group_id: int
+    sample_index: int
+    prompt_len: int
+    response_len: int
+    reward: float
+    finish_reason: str
+    generator_id: str
+    generate_time_s: float = 0.0
+
+
+class Trajectories(_Body, tag="trajectories"):
+    """Finished samples, token arrays concatenated in ``samples`` order.
+
+    Sent by a generator (one group at a time) and, as a training batch, by the
+    buffer to the learner, where ``stats`` carries the buffer's counters.
+    Each sample's token versions are its weight versions: the minimum is the
+    version its staleness is measured from.
+    """
+
+    ARRAYS: ClassVar[dict[str, str]] = {
+        "prompt_ids": "int32",
+        "response_ids": "int32",
+        "logprobs": "float32",
+        "token_versions": "int32",
+        "loss_mask": "uint8",
+    }
+    samples: list[TrajectoryMeta]
+    stats: dict[str, float] = {}
+
+
+class Ack(_Body, tag="ack"):
+    accepted: int
+    rejected: int = 0
+
+
+# --------------------------------------------------------------------------
+# learner <-> buffer
+
+
+class BatchRequest(_Body, tag="batch_request"):
+    """The learner at ``policy_version`` asks for its next batch (answered when ready)."""
+
+    policy_version: int
+
+
+class ErrorReply(_Body, tag="error"):
+    reason: str
+    detail: str = ""
+
+
+# --------------------------------------------------------------------------
+# learner -> generators: weights
+
+
+class WeightsRequest(_Body, tag="weights_request"):
+    """A generator holding ``have_version`` asks whether newer weights exist."""
+
+    have_version: int
+
+
+class WeightsUpToDate(_Body, tag="weights_up_to_date"):
+    latest_version: int
+
+
+class Weights(_Body, tag="weights"):
+    """Full weights of one version: one frame per tensor, listed in ``tensors``.
+
+    ``Weights(version=4, published_at=1.7e9)`` with one ArraySpec per parameter;
+    the receiver checks it got every tensor before loading any.
+    """
+
+    version: int
+    published_at: float
+
+
+Message = (
+    WorkRequest
+    | WorkGrant
+    | Trajectories
+    | Ack
+    | BatchRequest
+    | ErrorReply
+    | WeightsRequest
+    | WeightsUpToDate
+    | Weights
+)
+
+
+class Envelope(msgspec.Struct, forbid_unknown_fields=True):
+    schema_version: int
+    body: Message
+    arrays: list[ArraySpec] = []
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Envelope)
+_DTYPES = {"int32", "int64", "float32", "float16", "bfloat16", "uint8", "bool"}
+_ITEMSIZE = {
+    "int32": 4,
+    "int64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+def encode(body: _Body, arrays: dict[str, np.ndarray] | None = None) -> list[bytes | memoryview]:
+    """Header frame plus one frame per array (contiguous buffers, not copied)."""
+    arrays = arrays or {}
+    specs, frames = [], []
+    for name, array in arrays.items():
+        array = np.ascontiguousarray(array)
+        specs.append(ArraySpec(name, str(array.dtype), tuple(array.shape)))
+        frames.append(memoryview(array).cast("B"))
+    return [_ENCODER.encode(Envelope(SCHEMA_VERSION, body, specs)), *frames]
+
+
+def encode_raw(body: _Body, specs: list[ArraySpec], frames: list) -> list:
+    """Like :func:`encode` for buffers that are not numpy arrays (e.g. bf16 tensors)."""
+    return [_ENCODER.encode(Envelope(SCHEMA_VERSION, body, specs)), *frames]
+
+
+class ArrayFrame(msgspec.Struct, frozen=True):
+    """A received array: its spec and a view of the frame's bytes (no copy)."""
+
+    spec: ArraySpec
+    buffer: memoryview
+
+    def numpy(self) -> np.ndarray:
+        """Read-only numpy view; bfloat16 has no numpy dtype (use torch.frombuffer)."""
+        return np.frombuffer(self.buffer, dtype=np.dtype(self.spec.dtype)).reshape(self.spec.shape)
+
+
+def decode(
+    frames: Sequence, max_bytes: int = MAX_MESSAGE_BYTES
+) -> tuple[_Body, dict[str, ArrayFrame]]:
+    """Validate and decode a multipart message into its body and its arrays.
+
+    Arrays are views of the received frames (no copy). Raises WireError.
+    """
+    if not frames:
+        raise WireError("empty", "no frames")
+    buffers = [memoryview(frame.buffer if hasattr(frame, "buffer") else frame) for frame in frames]
+    total = sum(b.nbytes for b in buffers)
+    if total > max_bytes:
+        raise WireError("oversized", f"{total} bytes exceeds the limit of {max_bytes}")
+    try:
+        envelope = _DECODER.decode(buffers[0])
+    except msgspec.ValidationError as error:
+        reason = "unknown_type" if "`$.body.type`" in str(error) else "bad_header"
+        raise WireError(reason, str(error)) from None
+    except msgspec.DecodeError as error:
+        raise WireError("bad_header", str(error)) from None
+    if envelope.schema_version != SCHEMA_VERSION:
+        raise WireError(
+            "schema_version", f"got {envelope.schema_version}, this build speaks {SCHEMA_VERSION}"
+        )
+    body, specs = envelope.body, envelope.arrays
+    if len(specs) != len(buffers) - 1:
+        raise WireError(
+            "frame_count", f"header names {len(specs)} arrays, got {len(buffers) - 1} frames"
+        )
+    arrays: dict[str, ArrayFrame] = {}
+    for spec, buffer in zip(specs, buffers[1:], strict=True):
+        expected = body.ARRAYS.get(spec.name)
+        if body.ARRAYS and expected is None:
+            raise WireError("bad_array", f"{body.__class__.__name__} has no array '{spec.name}'")
+        if expected is not None and spec.dtype != expected:
+            raise WireError(
+                "bad_array", f"array '{spec.name}' must be {expected}, got {spec.dtype}"
+            )
+        if spec.dtype not in _DTYPES or any(dim < 0 for dim in spec.shape):
+            raise WireError(
+                "bad_array", f"array '{spec.name}': unsupported {spec.dtype}{spec.shape}"
+            )
+        nbytes = int(np.prod(spec.shape, dtype=np.int64)) * _ITEMSIZE[spec.dtype]
+        if nbytes != buffer.nbytes:
+            raise WireError(
+                "truncated",
+                f"array '{spec.name}' {spec.shape} needs {nbytes} bytes, frame has {buffer.nbytes}",
+            )
+        arrays[spec.name] = ArrayFrame(spec, buffer)
+    missing = set(body.ARRAYS) - set(arrays)
+    if missing:
+        raise WireError(
+            "bad_array", f"{body.__class__.__name__} is missing arrays {sorted(missing)}"
+        )
+    return body, arrays

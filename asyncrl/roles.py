@@ -1,0 +1,48 @@
+"""Entry point of each process the launcher starts: ``python -m asyncrl.roles ROLE RUN_DIR``.
+
+Every role reads the resolved ``RUN_DIR/config.yaml`` that the launcher wrote,
+so all processes of a run agree on one configuration, ports included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+import yaml
+
+from asyncrl.config import config_from_dict
+
+ROLES = ("buffer", "learner", "generator")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m asyncrl.roles")
+    parser.add_argument("role", choices=ROLES)
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--index", type=int, default=0, help="replica index (generators)")
+    args = parser.parse_args(argv)
+    name = args.role if args.role != "generator" else f"generator-{args.index}"
+    logging.basicConfig(
+        level=os.environ.get("ASYNCRL_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
+    )
+    config = config_from_dict(yaml.safe_load((args.run_dir / "config.yaml").read_text()))
+    if args.role == "buffer":
+        from asyncrl.buffer.service import run
+
+        run(config, args.run_dir)
+    elif args.role == "learner":
+        from asyncrl.learner.trainer import run
+
+        run(config, args.run_dir)
+    else:
+        from asyncrl.generators.worker import run
+
+        run(config, args.run_dir, args.index)
+
+
+if __name__ == "__main__":
+    main()

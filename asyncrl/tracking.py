@@ -1,0 +1,60 @@
+"""Metrics out of the learner: one JSON line per step, and aim when it is on.
+
+``metrics.jsonl`` keeps the flat names the docs use (``buffer_dropped_stale``);
+aim gets the same values namespaced by their first word (``buffer/dropped_stale``).
+With tracking off, :class:`NullAim` stands in so callers never branch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("asyncrl.tracking")
+
+NAMESPACES = ("buffer", "learner", "generator", "reward", "staleness", "importance", "time", "loss")
+
+
+def aim_name(key: str) -> str:
+    head, _, tail = key.partition("_")
+    return f"{head}/{tail}" if head in NAMESPACES and tail else key
+
+
+class NullAim:
+    def track(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def open_aim(run_dir: Path, experiment: str, hparams: dict[str, Any]):
+    from aim import Run
+
+    run = Run(
+        repo=str(run_dir),
+        experiment=experiment,
+        system_tracking_interval=None,
+        capture_terminal_logs=False,
+    )
+    run["hparams"] = hparams
+    return run
+
+
+class Tracker:
+    def __init__(self, run_dir: Path, experiment: str, hparams: dict[str, Any], use_aim: bool):
+        self.path = run_dir / "metrics.jsonl"
+        self.file = self.path.open("a")
+        self.aim = open_aim(run_dir, experiment, hparams) if use_aim else NullAim()
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        for key, value in metrics.items():
+            self.aim.track(value, name=aim_name(key), step=step)
+
+    def close(self) -> None:
+        self.file.close()
+        self.aim.close()

@@ -1,0 +1,189 @@
+"""The buffer service: one asyncio process (uvloop) between generators and learner.
+
+::
+
+    generators ──WorkRequest──▶ ┌─────────┐ ◀──BatchRequest(V)── learner
+               ◀──WorkGrant───  │ buffer  │ ───Trajectories───▶
+               ──Trajectories─▶ └─────────┘     (answered when a batch is ready)
+
+All state lives in :class:`~asyncrl.buffer.store.BufferStore`; this module only
+moves messages. A malformed or unknown message is answered with an
+``ErrorReply``, counted under ``rejected_<reason>``, and the service goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import uvloop
+import zmq
+import zmq.asyncio
+
+from asyncrl.buffer.store import BufferStore, Sample
+from asyncrl.config import Config
+from asyncrl.messages import (
+    Ack,
+    BatchRequest,
+    ErrorReply,
+    Trajectories,
+    TrajectoryMeta,
+    WireError,
+    WorkGrant,
+    WorkRequest,
+    decode,
+    encode,
+)
+from asyncrl.transport import tcp
+
+log = logging.getLogger("asyncrl.buffer")
+
+RETRY_AFTER_S = 0.05
+"""How long a generator refused by admission control waits before asking again."""
+
+
+class BufferService:
+    def __init__(self, config: Config, store: BufferStore, endpoint: str):
+        self.config = config
+        self.store = store
+        self.endpoint = endpoint
+        self.context = zmq.asyncio.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.rejected: Counter[str] = Counter()
+        self.pending_batch: bytes | None = None
+        """Identity of the learner waiting for a batch, if any."""
+        self.stopping = asyncio.Event()
+
+    async def serve_loop(self) -> None:
+        self.socket.bind(self.endpoint)
+        log.info("buffer serving on %s", self.endpoint)
+        while not self.stopping.is_set():
+            if not await self.socket.poll(200):
+                continue
+            identity, *frames = await self.socket.recv_multipart(copy=False)
+            try:
+                body, arrays = decode(frames)
+                await self._handle(identity.bytes, body, arrays)
+            except WireError as error:
+                self.rejected[error.reason] += 1
+                log.warning("rejected message: %s", error)
+                await self._reply(identity.bytes, ErrorReply(error.reason, str(error)))
+        self.socket.close(linger=0)
+        self.context.term()
+
+    async def _handle(self, identity: bytes, body, arrays) -> None:
+        match body:
+            case WorkRequest(generator_id=generator_id, max_samples=max_samples):
+                items = self.store.dispatch(generator_id, max_samples)
+                retry = 0.0 if items else RETRY_AFTER_S
+                await self._reply(identity, WorkGrant(items, self.store.policy_version, retry))
+            case Trajectories(samples=metas):
+                samples = split_samples(metas, {name: a.numpy() for name, a in arrays.items()})
+                accepted = self.store.ingest(samples)
+                await self._reply(identity, Ack(accepted, len(samples) - accepted))
+                await self._serve_pending()
+            case BatchRequest(policy_version=version):
+                self.store.set_policy_version(version)
+                self.pending_batch = identity
+                await self._serve_pending()
+            case _:
+                raise WireError(
+                    "unexpected_type", f"the buffer does not serve {type(body).__name__}"
+                )
+
+    async def _serve_pending(self) -> None:
+        if self.pending_batch is None:
+            return
+        batch = self.store.take_batch()
+        if batch is None:
+            return
+        stats = self.store.stats() | {
+            f"buffer_rejected_{k}": float(v) for k, v in self.rejected.items()
+        }
+        metas, arrays = join_samples(batch)
+        await self._reply(self.pending_batch, Trajectories(metas, stats), arrays)
+        self.pending_batch = None
+
+    async def _reply(self, identity: bytes, body, arrays=None) -> None:
+        try:
+            await self.socket.send_multipart([identity, *encode(body, arrays)], copy=False)
+        except zmq.ZMQError as error:  # the peer went away; its work is not lost here
+            self.rejected["unroutable_reply"] += 1
+            log.warning("could not reply to a peer: %s", error)
+
+
+# --------------------------------------------------------------------------
+# trajectories <-> flat arrays
+
+
+def split_samples(metas: list[TrajectoryMeta], arrays: dict[str, np.ndarray]) -> list[Sample]:
+    """Cut concatenated token arrays back into samples; lengths must add up."""
+    prompt_total = sum(m.prompt_len for m in metas)
+    response_total = sum(m.response_len for m in metas)
+    if arrays["prompt_ids"].size != prompt_total:
+        raise WireError(
+            "bad_array",
+            f"prompt_ids has {arrays['prompt_ids'].size} tokens, metas say {prompt_total}",
+        )
+    for name in ("response_ids", "logprobs", "token_versions", "loss_mask"):
+        if arrays[name].size != response_total:
+            raise WireError(
+                "bad_array", f"{name} has {arrays[name].size} tokens, metas say {response_total}"
+            )
+    samples, p, r = [], 0, 0
+    for meta in metas:
+        response = slice(r, r + meta.response_len)
+        samples.append(
+            Sample(
+                meta,
+                arrays["prompt_ids"][p : p + meta.prompt_len],
+                arrays["response_ids"][response],
+                arrays["logprobs"][response],
+                arrays["token_versions"][response],
+                arrays["loss_mask"][response],
+            )
+        )
+        p += meta.prompt_len
+        r += meta.response_len
+    return samples
+
+
+def join_samples(samples: list[Sample]) -> tuple[list[TrajectoryMeta], dict[str, np.ndarray]]:
+    arrays = {
+        "prompt_ids": np.concatenate([s.prompt_ids for s in samples]).astype(np.int32),
+        "response_ids": np.concatenate([s.response_ids for s in samples]).astype(np.int32),
+        "logprobs": np.concatenate([s.logprobs for s in samples]).astype(np.float32),
+        "token_versions": np.concatenate([s.token_versions for s in samples]).astype(np.int32),
+        "loss_mask": np.concatenate([s.loss_mask for s in samples]).astype(np.uint8),
+    }
+    return [s.meta for s in samples], arrays
+
+
+# --------------------------------------------------------------------------
+# process entry
+
+
+def run(config: Config, run_dir: Path) -> None:
+    from asyncrl.tasks import work_item_factory
+
+    store = BufferStore(
+        make_item=work_item_factory(config),
+        samples_per_step=config.algorithm.samples_per_step,
+        max_staleness=config.buffer.max_staleness,
+        admission_control=config.buffer.admission_control,
+    )
+    service = BufferService(config, store, tcp(config.cluster.host, config.cluster.buffer_port))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, service.stopping.set)
+        await service.serve_loop()
+
+    uvloop.run(main())

@@ -1,0 +1,155 @@
+"""A generator replica: ask for prompts, generate in chunks, stream trajectories.
+
+::
+
+    buffer ──WorkGrant──▶ replica ──chunk──▶ chunk ──▶ ... ──Trajectories──▶ buffer
+                             ▲ between chunks: newer weights from the learner?
+
+The loop keeps up to ``max_active_samples`` rollouts going. Between chunks it
+tops them up with new work and loads the newest published weights, so a long
+generation never blocks an update and an update never discards a half-made
+sample: its earlier tokens keep the version and log-probs they were made with
+(partial rollouts). Each finished sample is scored and sent at the end of the
+chunk in which it finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import zmq
+
+from asyncrl.config import Config
+from asyncrl.generators.hf_backend import HFBackend, Rollout
+from asyncrl.messages import Ack, Trajectories, TrajectoryMeta, WorkGrant, WorkRequest
+from asyncrl.models import build_policy
+from asyncrl.tasks import REWARD_FUNCTIONS
+from asyncrl.transport import RequestClient, tcp
+from asyncrl.weights import WeightClient
+
+log = logging.getLogger("asyncrl.generator")
+
+
+class GeneratorReplica:
+    def __init__(self, config: Config, generator_id: str, backend: HFBackend, context: zmq.Context):
+        self.config = config
+        self.generator_id = generator_id
+        self.backend = backend
+        self.buffer = RequestClient(context, tcp(config.cluster.host, config.cluster.buffer_port))
+        self.weights = WeightClient(context, tcp(config.cluster.host, config.cluster.weights_port))
+        self.active: list[Rollout] = []
+        self.stopping = False
+        self.stats = {"samples_sent": 0, "weight_swaps": 0, "weight_swap_latency_s": 0.0}
+
+    def run_loop(self) -> None:
+        retry_after = 0.0
+        while not self.stopping:
+            retry_after = self.top_up()
+            if not self.active:
+                time.sleep(max(retry_after, 0.01))
+                continue
+            self.sync_weights()
+            self.backend.generate_chunk(self.active, self.config.generators.chunk_tokens)
+            finished = [r for r in self.active if r.finished]
+            self.active = [r for r in self.active if not r.finished]
+            if finished:
+                self.send(finished)
+
+    def top_up(self) -> float:
+        """Ask the buffer for as many samples as there is room for; returns its retry hint."""
+        room = self.config.generators.max_active_samples - len(self.active)
+        if room < self.config.algorithm.group_size:
+            return 0.0
+        grant, _ = self.buffer.request(WorkRequest(self.generator_id, room))
+        assert isinstance(grant, WorkGrant), grant
+        now = time.time()
+        for item in grant.items:
+            for index in range(item.num_samples):
+                self.active.append(
+                    Rollout(
+                        item.group_id,
+                        index,
+                        list(item.prompt_ids),
+                        item.ground_truth,
+                        item.data_source,
+                        started_at=now,
+                    )
+                )
+        return grant.retry_after_s
+
+    def sync_weights(self) -> None:
+        update = self.weights.fetch_newer(self.backend.version)
+        if update is None:
+            return
+        version, published_at, state_dict = update
+        self.backend.load_weights(state_dict, version)
+        self.stats["weight_swaps"] += 1
+        self.stats["weight_swap_latency_s"] = time.time() - published_at
+        log.info(
+            "loaded weights v%d (%.3fs after publish)", version, self.stats["weight_swap_latency_s"]
+        )
+
+    def send(self, rollouts: list[Rollout]) -> None:
+        metas, arrays = self.package(rollouts)
+        ack, _ = self.buffer.request(Trajectories(metas), arrays)
+        assert isinstance(ack, Ack), ack
+        self.stats["samples_sent"] += len(rollouts)
+
+    def package(
+        self, rollouts: list[Rollout]
+    ) -> tuple[list[TrajectoryMeta], dict[str, np.ndarray]]:
+        now = time.time()
+        metas = []
+        for r in rollouts:
+            text = self.backend.tokenizer.decode(r.response_ids, skip_special_tokens=True)
+            reward = REWARD_FUNCTIONS[r.data_source](r.data_source, text, r.ground_truth, None)
+            metas.append(
+                TrajectoryMeta(
+                    r.group_id,
+                    r.sample_index,
+                    len(r.prompt_ids),
+                    len(r.response_ids),
+                    float(reward),
+                    r.finish_reason or "length",
+                    self.generator_id,
+                    now - r.started_at,
+                )
+            )
+        arrays = {
+            "prompt_ids": np.concatenate([np.asarray(r.prompt_ids, np.int32) for r in rollouts]),
+            "response_ids": np.concatenate(
+                [np.asarray(r.response_ids, np.int32) for r in rollouts]
+            ),
+            "logprobs": np.concatenate([np.asarray(r.logprobs, np.float32) for r in rollouts]),
+            "token_versions": np.concatenate(
+                [np.asarray(r.token_versions, np.int32) for r in rollouts]
+            ),
+            "loss_mask": np.concatenate([np.ones(len(r.response_ids), np.uint8) for r in rollouts]),
+        }
+        return metas, arrays
+
+
+def run(config: Config, run_dir: Path, replica_index: int) -> None:
+    torch.set_num_threads(config.generators.num_threads)
+    seed = config.run.seed * 1000 + replica_index + 1
+    model, tokenizer = build_policy(config.model, config.run.seed)
+    torch.manual_seed(seed)
+    context = zmq.Context()
+    replica = GeneratorReplica(
+        config, f"gen-{replica_index}", HFBackend(model, tokenizer, config.generators), context
+    )
+
+    def stop(*_):
+        replica.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        replica.run_loop()
+    finally:
+        context.destroy(linger=0)
