@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Set up asyncrl in ./.venv, idempotently.
+#   bash scripts/setup.sh          # the package
+#   bash scripts/setup.sh dev      # plus test and lint tools
+# On a machine without a GPU the CPU build of torch is installed first, so pip
+# never downloads the CUDA packages a bare `torch` requirement pulls in.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+python="${PYTHON:-python3}"
+
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+# shellcheck disable=SC1091
+. .venv/bin/activate
+python -m pip install --quiet --upgrade pip
+
+if ! python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    pip install --quiet "torch==2.13.0"
+  else
+    # The PyTorch CPU index, where reachable; otherwise a local wheel or mirror.
+    pip install --quiet "torch==2.13.0+cpu" \
+      --extra-index-url https://download.pytorch.org/whl/cpu --retries 0 --timeout 15
+  fi
+fi
+pip install --quiet -e ".${extras:+[$extras]}"
+echo "asyncrl is set up in .venv ($(python -c 'import torch; print("torch", torch.__version__)'))"
