@@ -18,10 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", out, REPO],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+    subprocess.run([*pip_wheel, "-q", "-w", out, REPO], check=True, capture_output=True)
     (path,) = out.glob("asyncrl-*.whl")
     return path
 
