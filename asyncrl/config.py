@@ -183,7 +183,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             problems.append(str(error))
             continue
         _set_path(raw, keys, value)
-        origins[keys] = f"override '{override}'"
+        label = f"override '{override}'"
+        for key in [k for k in origins if k[: len(keys)] == keys]:
+            del origins[key]  # replaced by the override: file lines no longer apply
+        for end in range(1, len(keys)):
+            origins.setdefault(keys[:end], label)
+        origins[keys] = label
     if problems:
         raise ConfigError(problems)
     try:

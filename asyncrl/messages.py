@@ -17,6 +17,7 @@ Decoding raises :class:`WireError` with a short ``reason`` that receivers count
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -249,6 +250,8 @@ def decode(
         )
     arrays: dict[str, ArrayFrame] = {}
     for spec, buffer in zip(specs, buffers[1:], strict=True):
+        if spec.name in arrays:
+            raise WireError("bad_array", f"array '{spec.name}' appears twice")
         expected = body.ARRAYS.get(spec.name)
         if body.ARRAYS and expected is None:
             raise WireError("bad_array", f"{body.__class__.__name__} has no array '{spec.name}'")
@@ -260,7 +263,7 @@ def decode(
             raise WireError(
                 "bad_array", f"array '{spec.name}': unsupported {spec.dtype}{spec.shape}"
             )
-        nbytes = int(np.prod(spec.shape, dtype=np.int64)) * _ITEMSIZE[spec.dtype]
+        nbytes = math.prod(spec.shape) * _ITEMSIZE[spec.dtype]  # Python ints: no overflow
         if nbytes != buffer.nbytes:
             raise WireError(
                 "truncated",

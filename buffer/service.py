@@ -74,6 +74,12 @@ class BufferService:
                 self.rejected[error.reason] += 1
                 log.warning("rejected message: %s", error)
                 await self._reply(identity.bytes, ErrorReply(error.reason, str(error)))
+            except AssertionError:  # a broken invariant of the store: stop, loudly
+                raise
+            except Exception as error:  # one bad message must not stop the service
+                self.rejected["internal"] += 1
+                log.exception("failed to handle a message")
+                await self._reply(identity.bytes, ErrorReply("internal", repr(error)))
         self.socket.close(linger=0)
         self.context.term()
 
