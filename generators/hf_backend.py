@@ -48,19 +48,26 @@ class HFBackend:
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.version = 0
+        # generate() fills unset fields from the model's own generation defaults
+        # (a Hub model's top_k, repetition_penalty, ...): sample only from what
+        # the config says, or the recorded log-probs would not be the learner's.
+        self.model.generation_config = GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Replace every parameter in place; a missing or extra tensor is an error."""
-        result = self.model.load_state_dict(state_dict, strict=False)
-        tied = (
-            {"lm_head.weight"}
-            if getattr(self.model.config, "tie_word_embeddings", False)
-            else set()
-        )
-        missing = set(result.missing_keys) - tied
-        if missing or result.unexpected_keys:
-            unexpected = result.unexpected_keys
-            raise ValueError(f"weights v{version}: missing {sorted(missing)}, extra {unexpected}")
+        """Replace every parameter; a missing or extra tensor is an error, checked first."""
+        expected = set(self.model.state_dict())
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            expected.discard("lm_head.weight")  # tied to the embedding, may be omitted
+        missing = expected - set(state_dict)
+        extra = set(state_dict) - set(self.model.state_dict())
+        if missing or extra:
+            problem = f"missing {sorted(missing)}, extra {sorted(extra)}"
+            raise ValueError(f"weights v{version} do not fit the model: {problem}")
+        self.model.load_state_dict(state_dict, strict=False)
         self.version = version
 
     @torch.no_grad()
@@ -101,7 +108,7 @@ class HFBackend:
             do_sample=True,
             temperature=self.sampling.temperature,
             top_p=self.sampling.top_p,
-            top_k=self.sampling.top_k or None,
+            top_k=self.sampling.top_k,  # 0 is off
             output_scores=True,
             return_dict_in_generate=True,
             eos_token_id=self.tokenizer.eos_token_id,

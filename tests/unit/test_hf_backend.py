@@ -1,0 +1,269 @@
+"""HFBackend: chunked generation, recorded log-probs, partial rollouts across weight swaps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrl.config import GeneratorsConfig, ModelConfig, TinyModelConfig
+from asyncrl.generators.hf_backend import HFBackend, Rollout
+from asyncrl.learner.algorithms import token_logprobs
+from asyncrl.models import build_policy
+
+torch.set_num_threads(1)
+
+CHUNK = 3
+MAX_NEW = 8
+# different prompt lengths, so generation left-pads some rows
+PROMPTS = [[1, 3, 4, 5, 13], [1, 6, 13], [1, 7, 8, 9, 10, 11, 13]]
+
+
+def make_backend(temperature: float = 1.0) -> HFBackend:
+    model, tokenizer = build_policy(ModelConfig(tiny=TinyModelConfig()), seed=0)
+    sampling = GeneratorsConfig(max_new_tokens=MAX_NEW, chunk_tokens=CHUNK, temperature=temperature)
+    return HFBackend(model, tokenizer, sampling)
+
+
+def make_rollouts() -> list[Rollout]:
+    return [
+        Rollout(group_id=0, sample_index=i, prompt_ids=list(p), ground_truth="x")
+        for i, p in enumerate(PROMPTS)
+    ]
+
+
+def bias_eos(backend: HFBackend, amount: float):
+    """Shift the EOS logit by ``amount`` in every forward pass (a hook on the LM head)."""
+    eos = backend.tokenizer.eos_token_id
+
+    def hook(module, inputs, output):
+        output = output.clone()
+        output[..., eos] += amount
+        return output
+
+    return backend.model.lm_head.register_forward_hook(hook)
+
+
+@torch.no_grad()
+def recompute(model: torch.nn.Module, rollout: Rollout, temperature: float) -> torch.Tensor:
+    """The learner's view: one forward over prompt + response, log-probs of the response."""
+    ids = torch.tensor([rollout.prompt_ids + rollout.response_ids])
+    logits = model(input_ids=ids).logits
+    logprobs = token_logprobs(logits[:, :-1], ids[:, 1:], temperature)[0]
+    return logprobs[len(rollout.prompt_ids) - 1 :]
+
+
+def generate_to_completion(backend: HFBackend, rollouts: list[Rollout]) -> list[list[int]]:
+    """Run chunks until every rollout is finished; returns each call's growth per rollout."""
+    growth = []
+    for _ in range(10):
+        if all(r.finished for r in rollouts):
+            break
+        before = [len(r.response_ids) for r in rollouts]
+        backend.generate_chunk(rollouts, CHUNK)
+        growth.append([len(r.response_ids) - b for r, b in zip(rollouts, before, strict=True)])
+    assert all(r.finished for r in rollouts)
+    return growth
+
+
+def test_a_chunk_extends_each_rollout_by_at_most_the_chunk_size():
+    backend = make_backend()
+    rollouts = make_rollouts()
+    bias = bias_eos(backend, -30.0)  # no EOS: every rollout runs to max_new_tokens
+    try:
+        torch.manual_seed(0)
+        growth = generate_to_completion(backend, rollouts)
+    finally:
+        bias.remove()
+    # 8 tokens in chunks of 3: 3 + 3 + 2
+    assert growth == [[3, 3, 3], [3, 3, 3], [2, 2, 2]]
+    for rollout in rollouts:
+        assert len(rollout.response_ids) == MAX_NEW
+        assert len(rollout.logprobs) == MAX_NEW
+        assert rollout.token_versions == [0] * MAX_NEW
+
+
+def test_a_chunk_with_a_smaller_max_tokens_extends_by_that_many():
+    backend = make_backend()
+    rollouts = make_rollouts()
+    bias = bias_eos(backend, -30.0)
+    try:
+        torch.manual_seed(0)
+        backend.generate_chunk(rollouts, 1)
+    finally:
+        bias.remove()
+    assert [len(r.response_ids) for r in rollouts] == [1, 1, 1]
+    assert not any(r.finished for r in rollouts)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_recorded_logprobs_equal_the_learners_recomputation(temperature):
+    backend = make_backend(temperature)
+    rollouts = make_rollouts()
+    torch.manual_seed(0)
+    generate_to_completion(backend, rollouts)
+    for rollout in rollouts:
+        recorded = torch.tensor(rollout.logprobs)
+        expected = recompute(backend.model, rollout, temperature)
+        assert recorded.shape == expected.shape
+        torch.testing.assert_close(recorded, expected, atol=1e-4, rtol=0)
+
+
+def test_recorded_logprobs_at_a_lower_temperature_differ_from_the_temperature_one_distribution():
+    backend = make_backend(0.7)
+    rollouts = make_rollouts()
+    torch.manual_seed(0)
+    generate_to_completion(backend, rollouts)
+    recorded = torch.tensor(rollouts[0].logprobs)
+    at_one = recompute(backend.model, rollouts[0], 1.0)
+    assert (recorded - at_one).abs().max().item() > 1e-3
+
+
+def test_recorded_logprobs_ignore_the_models_own_generation_defaults():
+    model, tokenizer = build_policy(ModelConfig(tiny=TinyModelConfig()), seed=0)
+    # what a model from the Hub may ship in generation_config.json
+    model.generation_config.top_k = 3
+    model.generation_config.repetition_penalty = 1.5
+    sampling = GeneratorsConfig(max_new_tokens=MAX_NEW, chunk_tokens=CHUNK, temperature=1.0)
+    backend = HFBackend(model, tokenizer, sampling)
+    rollouts = make_rollouts()
+    torch.manual_seed(0)
+    generate_to_completion(backend, rollouts)
+    for rollout in rollouts:
+        recorded = torch.tensor(rollout.logprobs)
+        torch.testing.assert_close(
+            recorded, recompute(backend.model, rollout, 1.0), atol=1e-4, rtol=0
+        )
+
+
+def test_a_rollout_that_samples_eos_stops_with_reason_stop():
+    backend = make_backend()
+    rollouts = make_rollouts()
+    eos = backend.tokenizer.eos_token_id
+    bias = bias_eos(backend, 30.0)  # EOS is all but certain
+    try:
+        torch.manual_seed(0)
+        backend.generate_chunk(rollouts, CHUNK)
+    finally:
+        bias.remove()
+    for rollout in rollouts:
+        assert rollout.response_ids == [eos]
+        assert rollout.finish_reason == "stop"
+        assert rollout.finished
+        assert len(rollout.logprobs) == 1
+        assert rollout.token_versions == [0]
+
+
+def test_a_rollout_without_eos_stops_at_max_new_tokens_with_reason_length():
+    backend = make_backend()
+    rollouts = make_rollouts()
+    bias = bias_eos(backend, -30.0)
+    try:
+        torch.manual_seed(0)
+        generate_to_completion(backend, rollouts)
+    finally:
+        bias.remove()
+    assert [r.finish_reason for r in rollouts] == ["length"] * 3
+    assert all(backend.tokenizer.eos_token_id not in r.response_ids for r in rollouts)
+
+
+def test_finished_rollouts_are_left_untouched():
+    backend = make_backend()
+    done = Rollout(
+        0,
+        0,
+        [1, 3, 13],
+        "x",
+        response_ids=[4, 2],
+        logprobs=[-1.0, -2.0],
+        token_versions=[0, 0],
+        finish_reason="stop",
+    )
+    running = Rollout(0, 1, [1, 5, 13], "x")
+    torch.manual_seed(0)
+    backend.generate_chunk([done, running], CHUNK)
+    assert done.response_ids == [4, 2]
+    assert done.logprobs == [-1.0, -2.0]
+    assert len(running.response_ids) >= 1
+
+
+def perturbed(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # a deterministic function of each tensor, so tied entries stay identical
+    return {name: tensor * 1.5 + 0.05 for name, tensor in state_dict.items()}
+
+
+def test_a_partial_rollout_switches_versions_at_the_chunk_boundary_without_regenerating():
+    backend = make_backend()
+    old_backend = make_backend()  # the same version-0 weights, never updated
+    rollouts = make_rollouts()
+    # keep every rollout running past the first chunk; the recomputations below see the same bias
+    hooks = [bias_eos(backend, -30.0), bias_eos(old_backend, -30.0)]
+    try:
+        torch.manual_seed(0)
+        backend.generate_chunk(rollouts, CHUNK)
+        first_tokens = [list(r.response_ids) for r in rollouts]
+        first_logprobs = [list(r.logprobs) for r in rollouts]
+        assert all(len(t) == CHUNK for t in first_tokens)
+
+        backend.load_weights(perturbed(backend.model.state_dict()), version=1)
+        assert backend.version == 1
+        generate_to_completion(backend, rollouts)
+
+        for rollout, tokens, logprobs in zip(rollouts, first_tokens, first_logprobs, strict=True):
+            later = len(rollout.response_ids) - CHUNK
+            assert later == MAX_NEW - CHUNK
+            assert rollout.token_versions == [0] * CHUNK + [1] * later
+            # the first chunk is kept as it was generated, not regenerated
+            assert rollout.response_ids[:CHUNK] == tokens
+            assert rollout.logprobs[:CHUNK] == logprobs
+
+            recorded = torch.tensor(rollout.logprobs)
+            new = recompute(backend.model, rollout, 1.0)
+            old = recompute(old_backend.model, rollout, 1.0)
+            # version-1 tokens carry the new weights' log-probs, version-0 tokens the old ones'
+            torch.testing.assert_close(recorded[CHUNK:], new[CHUNK:], atol=1e-4, rtol=0)
+            torch.testing.assert_close(recorded[:CHUNK], old[:CHUNK], atol=1e-4, rtol=0)
+            # and the swap really changed the distribution
+            assert (recorded[:CHUNK] - new[:CHUNK]).abs().max().item() > 1e-3
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def test_load_weights_with_a_missing_tensor_raises_value_error():
+    backend = make_backend()
+    state_dict = perturbed(backend.model.state_dict())
+    missing = "model.norm.weight"
+    del state_dict[missing]
+    with pytest.raises(ValueError, match=missing):
+        backend.load_weights(state_dict, version=1)
+    assert backend.version == 0
+
+
+def test_load_weights_with_an_extra_tensor_raises_value_error():
+    backend = make_backend()
+    state_dict = dict(backend.model.state_dict())
+    state_dict["model.surprise.weight"] = torch.zeros(2)
+    with pytest.raises(ValueError, match="surprise"):
+        backend.load_weights(state_dict, version=1)
+    assert backend.version == 0
+
+
+def test_load_weights_without_the_tied_lm_head_is_accepted():
+    backend = make_backend()
+    assert backend.model.config.tie_word_embeddings
+    state_dict = perturbed(backend.model.state_dict())
+    state_dict.pop("lm_head.weight", None)
+    backend.load_weights(state_dict, version=2)
+    assert backend.version == 2
+    assert torch.equal(backend.model.model.norm.weight, state_dict["model.norm.weight"])
+
+
+def test_a_rejected_state_dict_leaves_the_loaded_weights_unchanged():
+    backend = make_backend()
+    before = {name: t.clone() for name, t in backend.model.state_dict().items()}
+    state_dict = perturbed(backend.model.state_dict())
+    del state_dict["model.norm.weight"]
+    with pytest.raises(ValueError):
+        backend.load_weights(state_dict, version=1)
+    for name, tensor in backend.model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
