@@ -94,6 +94,20 @@ class BufferConfig(_Section):
     """k: never train on a trajectory produced more than k versions ago."""
     admission_control: bool = True
     """Hand out prompts only while started samples fit in (V+k+1)*samples_per_step."""
+    heartbeat_interval_s: float = Field(1.0, gt=0.0)
+    """Generators tell the buffer they are alive at least this often."""
+    heartbeat_timeout_s: float = Field(10.0, gt=0.0)
+    """A generator silent this long is presumed dead: its unfinished groups are requeued."""
+    max_reuse: int = Field(1, ge=1)
+    """Serve each sample to the learner at most this many times (while fresh enough)."""
+    filter_equal_rewards: bool = False
+    """Drop complete groups whose rewards are all equal (DAPO dynamic sampling)."""
+    filter_truncated: bool = False
+    """Drop a whole group if any of its samples ends with finish_reason `length`."""
+    max_held_samples: int = Field(0, ge=0)
+    """Back-pressure: refuse new work while this many samples are ready; 0 means 4 batches."""
+    max_held_bytes: int = Field(256 * 1024 * 1024, ge=1)
+    """Back-pressure: refuse new work while held samples take this many bytes."""
 
 
 class LearnerConfig(_Section):

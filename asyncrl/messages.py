@@ -114,6 +114,18 @@ class Trajectories(_Body, tag="trajectories"):
     stats: dict[str, float] = {}
 
 
+class Heartbeat(_Body, tag="heartbeat"):
+    """A generator says it is alive (answered with an Ack). ``Heartbeat("gen-0")``.
+
+    Sent at least every ``buffer.heartbeat_interval_s`` when nothing else is;
+    any message from a generator counts as one. A generator silent for
+    ``buffer.heartbeat_timeout_s`` is presumed dead and its unfinished groups
+    are handed out again.
+    """
+
+    generator_id: str
+
+
 class Ack(_Body, tag="ack"):
     accepted: int
     rejected: int = 0
@@ -163,6 +175,7 @@ Message = (
     WorkRequest
     | WorkGrant
     | Trajectories
+    | Heartbeat
     | Ack
     | BatchRequest
     | ErrorReply

@@ -4,11 +4,15 @@
 
     generators ──WorkRequest──▶ ┌─────────┐ ◀──BatchRequest(V)── learner
                ◀──WorkGrant───  │ buffer  │ ───Trajectories───▶
-               ──Trajectories─▶ └─────────┘     (answered when a batch is ready)
+               ──Trajectories─▶ │         │     (answered when a batch is ready)
+               ──Heartbeat───▶  └─────────┘
 
 All state lives in :class:`~asyncrl.buffer.store.BufferStore`; this module only
-moves messages. A malformed or unknown message is answered with an
-``ErrorReply``, counted under ``rejected_<reason>``, and the service goes on.
+moves messages and supplies the clock (``time.monotonic``): every message from
+a generator counts as its heartbeat, and each turn of the poll loop requeues
+the groups of generators silent for ``buffer.heartbeat_timeout_s``. A
+malformed or unknown message is answered with an ``ErrorReply``, counted
+under ``rejected_<reason>``, and the service goes on.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -30,10 +36,12 @@ from asyncrl.messages import (
     Ack,
     BatchRequest,
     ErrorReply,
+    Heartbeat,
     Trajectories,
     TrajectoryMeta,
     WireError,
     WorkGrant,
+    WorkItem,
     WorkRequest,
     decode,
     encode,
@@ -43,7 +51,9 @@ from asyncrl.transport import tcp
 log = logging.getLogger("asyncrl.buffer")
 
 RETRY_AFTER_S = 0.05
-"""How long a generator refused by admission control waits before asking again."""
+"""How long a generator refused by admission control or back-pressure waits to ask again."""
+POLL_MS = 100
+"""Longest wait for a message before the loop checks for silent generators."""
 
 
 class BufferService:
@@ -64,7 +74,9 @@ class BufferService:
         self.socket.bind(self.endpoint)
         log.info("buffer serving on %s", self.endpoint)
         while not self.stopping.is_set():
-            if not await self.socket.poll(200):
+            ready = await self.socket.poll(POLL_MS)
+            self._expire_silent_generators()
+            if not ready:
                 continue
             identity, *frames = await self.socket.recv_multipart(copy=False)
             try:
@@ -83,17 +95,29 @@ class BufferService:
         self.socket.close(linger=0)
         self.context.term()
 
+    def _expire_silent_generators(self) -> None:
+        for generator_id in self.store.expire_silent(time.monotonic()):
+            log.warning(
+                "generator %s silent for over %.1fs: its unfinished groups are requeued",
+                generator_id,
+                self.store.heartbeat_timeout_s,
+            )
+
     async def _handle(self, identity: bytes, body, arrays) -> None:
+        now = time.monotonic()
         match body:
             case WorkRequest(generator_id=generator_id, max_samples=max_samples):
-                items = self.store.dispatch(generator_id, max_samples)
+                items = self.store.dispatch(generator_id, max_samples, now)
                 retry = 0.0 if items else RETRY_AFTER_S
                 await self._reply(identity, WorkGrant(items, self.store.policy_version, retry))
             case Trajectories(samples=metas):
                 samples = split_samples(metas, {name: a.numpy() for name, a in arrays.items()})
-                accepted = self.store.ingest(samples)
+                accepted = self.store.ingest(samples, now)
                 await self._reply(identity, Ack(accepted, len(samples) - accepted))
                 await self._serve_pending()
+            case Heartbeat(generator_id=generator_id):
+                self.store.heartbeat(generator_id, now)
+                await self._reply(identity, Ack(accepted=0))
             case BatchRequest(policy_version=version):
                 self.store.set_policy_version(version)
                 self.pending_batch = identity
@@ -109,7 +133,7 @@ class BufferService:
         batch = self.store.take_batch()
         if batch is None:
             return
-        stats = self.store.stats() | {
+        stats = self.store.stats(time.monotonic()) | {
             f"buffer_rejected_{k}": float(v) for k, v in self.rejected.items()
         }
         metas, arrays = join_samples(batch)
@@ -175,15 +199,27 @@ def join_samples(samples: list[Sample]) -> tuple[list[TrajectoryMeta], dict[str,
 # process entry
 
 
+def build_store(config: Config, make_item: Callable[[int], WorkItem]) -> BufferStore:
+    """The store a run's ``buffer`` section describes, handing out ``make_item(index)``."""
+    buffer = config.buffer
+    return BufferStore(
+        make_item=make_item,
+        samples_per_step=config.algorithm.samples_per_step,
+        max_staleness=buffer.max_staleness,
+        admission_control=buffer.admission_control,
+        heartbeat_timeout_s=buffer.heartbeat_timeout_s,
+        max_reuse=buffer.max_reuse,
+        filter_equal_rewards=buffer.filter_equal_rewards,
+        filter_truncated=buffer.filter_truncated,
+        max_held_samples=buffer.max_held_samples,
+        max_held_bytes=buffer.max_held_bytes,
+    )
+
+
 def run(config: Config, run_dir: Path) -> None:
     from asyncrl.tasks import work_item_factory
 
-    store = BufferStore(
-        make_item=work_item_factory(config),
-        samples_per_step=config.algorithm.samples_per_step,
-        max_staleness=config.buffer.max_staleness,
-        admission_control=config.buffer.admission_control,
-    )
+    store = build_store(config, work_item_factory(config))
     service = BufferService(config, store, tcp(config.cluster.host, config.cluster.buffer_port))
 
     async def main() -> None:

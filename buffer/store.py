@@ -1,30 +1,88 @@
-"""The buffer's state: dispatch, ingest, staleness and batches, with no I/O.
+"""The buffer's state: dispatch, liveness, ingest, filters, staleness and batches, with no I/O.
 
 ::
 
-    dispatch() ──▶ in_flight ──ingest()──▶ partial groups ──▶ ready groups ──take_batch()──▶ learner
-        ▲ admission control                                     │ evict if stale
-        └── started samples fit in (V + k + 1) * samples_per_step
+    requeue ──┐ handed out first           filters ──▶ filtered
+    dispatch() ──▶ in_flight ──ingest()──▶ ready groups ──take_batch()──▶ learner
+      ▲ admission,     │                     │  ▲ evict if stale    │
+      │ back-pressure  │ expire_silent()     │  └── re-served while ┘
+      │                ▼                     ▼      times < max_reuse
+      └──────────── requeue            dropped_stale
 
-Invariant: no sample handed to the learner at version V has staleness
-``V - version > max_staleness``, where a sample's version is the oldest weight
-version among its tokens. :meth:`BufferStore.take_batch` enforces it, and is
-the only way samples leave for the learner. Every sample that leaves any other
-way is counted in :attr:`counters` by reason.
+Time is always an argument (``now``, seconds on one monotonic clock, supplied
+by the service or a test), never read here: the store stays pure and tests
+drive the clock.
+
+Invariants, and the method that enforces each:
+
+1. Freshness: no sample handed to the learner at version V has staleness
+   ``V - version > max_staleness``, where a sample's version is the oldest
+   weight version among its tokens. :meth:`BufferStore.take_batch` enforces it
+   (evicting through :meth:`~BufferStore.evict_stale` first) and is the only
+   way samples leave for the learner.
+2. Reuse: each (group, sample) is served at most ``max_reuse`` times.
+   :meth:`~BufferStore.take_batch` counts servings per group and only puts a
+   served group back while it has servings left; it never holds one group
+   twice in a batch.
+3. Admission: after every :meth:`~BufferStore.dispatch`, ``started_samples <=
+   admission_limit()``. New prompts are admitted only within the limit;
+   requeued groups were counted when first dispatched and are not counted again.
+4. Whole groups from one generator: :meth:`~BufferStore.ingest` accepts a
+   sample only for a group in flight, from the generator it is dispatched to,
+   once per index. A sample for a group that was requeued or already completed
+   (a slow generator presumed dead) is dropped as ``dropped_duplicate``.
+   :meth:`~BufferStore.expire_silent` discards a silent generator's partial
+   samples when it requeues its groups, so a group is regenerated whole.
+   Ownership is by generator id: a generator presumed dead that asks again and
+   is handed back its own requeued group may deliver old and new samples of
+   it; both are samples of the same prompt from the same generator.
+5. Accounting: every accepted sample is in exactly one place, so (with
+   ``served_first = served - served_again``; with ``max_reuse = 1`` that is
+   just ``served``)::
+
+       accepted == served_first + dropped_stale + filtered + discarded_requeue
+                   + held_unserved + partial
+
+   where ``held_unserved`` are samples in ready groups never served and
+   ``partial`` those of groups still in flight (:meth:`~BufferStore.accounted`).
+   Each method that moves samples counts the move.
+6. Groups: ``dispatched_groups == completed_groups + requeued_groups +
+   len(in_flight)``: every dispatched group is completed (then ready, served,
+   filtered or evicted), requeued, or still in flight.
+7. Back-pressure: :meth:`~BufferStore.dispatch` hands out nothing while held
+   samples or bytes are at their bound (:meth:`~BufferStore.backpressured`).
+   Nothing is dropped to make room and :meth:`~BufferStore.take_batch` is never
+   blocked; the bound applies only once a batch can be formed, so it cannot
+   starve the learner.
+
+Filters run when a group completes, on the whole group: ``filter_truncated``
+drops a group if any of its samples hit the length limit (keeping the rest
+would serve a group short of samples, its baseline computed without the
+truncated ones), and
+``filter_equal_rewards`` drops a group whose rewards are all equal (DAPO's
+dynamic sampling: it has no learning signal under GRPO; a group of one sample
+always qualifies). Filtered samples free admission budget like evicted ones.
+Every sample that leaves other than by ``take_batch`` is counted in
+:attr:`BufferStore.counters` by reason.
 
 Prompts are a pure function of an integer index (the dataset cursor), and the
-group id of a prompt is its index, so a group is identified across restarts.
+group id of a prompt is its index, so a group is identified across restarts,
+and a group id below the cursor that is not in flight was dispatched before.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from asyncrl.messages import TrajectoryMeta, WorkItem
+
+MIB = 1 << 20
+FILTERS = ("truncated", "equal_rewards")
+"""Filter reasons; each is counted as ``filtered_<reason>``."""
 
 
 @dataclass
@@ -43,12 +101,26 @@ class Sample:
         """The oldest weight version among its generated tokens."""
         return int(self.token_versions.min()) if self.token_versions.size else 0
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its token arrays: what back-pressure on memory counts."""
+        arrays = (self.prompt_ids, self.response_ids, self.logprobs)
+        return sum(a.nbytes for a in (*arrays, self.token_versions, self.loss_mask))
+
 
 @dataclass
 class Group:
     item: WorkItem
     generator_id: str
+    """The generator it is dispatched to: the only one whose samples it accepts."""
     samples: dict[int, Sample] = field(default_factory=dict)
+    nbytes: int = 0
+    times_served: int = 0
+    """Batches that have held this group; ``max_reuse`` bounds it."""
+
+    def add(self, sample: Sample) -> None:
+        self.samples[sample.meta.sample_index] = sample
+        self.nbytes += sample.nbytes
 
     @property
     def complete(self) -> bool:
@@ -58,6 +130,10 @@ class Group:
     def version(self) -> int:
         return min(sample.version for sample in self.samples.values())
 
+    @property
+    def response_tokens(self) -> int:
+        return sum(sample.meta.response_len for sample in self.samples.values())
+
 
 class BufferStore:
     def __init__(
@@ -66,32 +142,118 @@ class BufferStore:
         samples_per_step: int,
         max_staleness: int,
         admission_control: bool = True,
+        *,
+        heartbeat_timeout_s: float = 10.0,
+        max_reuse: int = 1,
+        filter_equal_rewards: bool = False,
+        filter_truncated: bool = False,
+        max_held_samples: int = 0,
+        max_held_bytes: int = 256 * MIB,
     ):
         self.make_item = make_item
         self.samples_per_step = samples_per_step
         self.max_staleness = max_staleness
         self.admission_control = admission_control
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.max_reuse = max_reuse
+        self.filter_equal_rewards = filter_equal_rewards
+        self.filter_truncated = filter_truncated
+        self.max_held_samples = max_held_samples or 4 * samples_per_step
+        """Back-pressure bound on held ready samples (0 in the config: 4 batches)."""
+        self.max_held_bytes = max_held_bytes
         self.policy_version = 0
         self.cursor = 0
         """Index of the next prompt to hand out."""
         self.in_flight: dict[int, Group] = {}
         """Dispatched groups not yet complete, by group id."""
+        self.requeue: deque[WorkItem] = deque()
+        """Groups taken back from silent generators, handed out before new prompts."""
         self.ready: list[Group] = []
         """Complete groups waiting for the learner, oldest version first."""
         self.started_samples = 0
         """Samples dispatched and not since evicted or dropped: what admission bounds."""
+        self.last_seen: dict[str, float] = {}
+        """Generator id -> time of its last message, for generators not yet expired."""
         self.counters: Counter[str] = Counter()
         self.served_staleness: list[int] = []
+        """Staleness of each sample of the last batch served."""
+        self.ingest_rate = 0.0
+        """Accepted samples per second between the last two ``stats(now)`` calls."""
+        self._rate_mark: tuple[float, int] | None = None
+        """(time, accepted) where the current ingest-rate interval started."""
+
+    # ---------------------------------------------------------------- liveness
+
+    def heartbeat(self, generator_id: str, now: float) -> None:
+        """Record that ``generator_id`` is alive at ``now``; any message from it counts."""
+        self.last_seen[generator_id] = max(now, self.last_seen.get(generator_id, now))
+        if self._rate_mark is None:
+            self._rate_mark = (now, self.counters["accepted"])
+
+    def expire_silent(self, now: float) -> list[str]:
+        """Requeue the unfinished groups of generators silent for over the timeout.
+
+        Their partial samples are discarded (counted as ``discarded_requeue``) so
+        each group is regenerated whole by one generator, never stitched from
+        two. The requeued groups keep their admission budget: they were counted
+        when first dispatched. Returns the expired generators' ids.
+        """
+        expired = sorted(
+            generator_id
+            for generator_id, seen in self.last_seen.items()
+            if now - seen > self.heartbeat_timeout_s
+        )
+        for generator_id in expired:
+            del self.last_seen[generator_id]
+            for group in [g for g in self.in_flight.values() if g.generator_id == generator_id]:
+                self._requeue(group)
+        return expired
+
+    def _requeue(self, group: Group) -> None:
+        del self.in_flight[group.item.group_id]
+        self.counters["discarded_requeue"] += len(group.samples)
+        self.counters["requeued_groups"] += 1
+        self.requeue.append(group.item)
 
     # ---------------------------------------------------------------- dispatch
 
     def admission_limit(self) -> int:
         return (self.policy_version + self.max_staleness + 1) * self.samples_per_step
 
-    def dispatch(self, generator_id: str, max_samples: int) -> list[WorkItem]:
-        """Hand out whole groups while they fit in ``max_samples`` and admission allows."""
+    def dispatch(
+        self, generator_id: str, max_samples: int, now: float | None = None
+    ) -> list[WorkItem]:
+        """Hand out whole groups that fit in ``max_samples``: requeued ones, then new prompts.
+
+        Under back-pressure nothing is handed out. Asking counts as a heartbeat
+        when ``now`` is given.
+        """
+        if now is not None:
+            self.heartbeat(generator_id, now)
+        if self.backpressured():
+            self.counters["dispatch_refused_backpressure"] += 1
+            return []
+        items = self._dispatch_requeued(generator_id, max_samples)
+        if not self.requeue:
+            budget = max_samples - sum(item.num_samples for item in items)
+            items += self._dispatch_new(generator_id, budget)
+        self.counters["dispatched_groups"] += len(items)
+        return items
+
+    def _dispatch_requeued(self, generator_id: str, budget: int) -> list[WorkItem]:
+        """Requeued groups in order; no admission check, their samples are already started."""
         items: list[WorkItem] = []
-        budget = max_samples
+        while self.requeue and self.requeue[0].num_samples <= budget:
+            item = self.requeue.popleft()
+            budget -= item.num_samples
+            self.in_flight[item.group_id] = Group(item, generator_id)
+            items.append(item)
+        self.counters["redispatched_groups"] += len(items)
+        return items
+
+    def _dispatch_new(self, generator_id: str, budget: int) -> list[WorkItem]:
+        """New prompts from the cursor while they fit in ``budget`` and admission allows."""
+        items: list[WorkItem] = []
         while True:
             item = self.make_item(self.cursor)
             if item.num_samples > budget:
@@ -107,32 +269,76 @@ class BufferStore:
             self.started_samples += item.num_samples
             self.in_flight[item.group_id] = Group(item, generator_id)
             items.append(item)
-        self.counters["dispatched_groups"] += len(items)
         return items
+
+    def backpressured(self) -> bool:
+        """Held ready samples or held bytes at their bound, and a batch can be formed.
+
+        While the ready samples cannot fill a batch, refusing work would stall
+        the learner and the generators alike, so the bound does not apply.
+        """
+        held = self.held_samples()
+        if held < self.samples_per_step:
+            return False
+        return held >= self.max_held_samples or self.held_bytes() >= self.max_held_bytes
 
     # ------------------------------------------------------------------ ingest
 
-    def ingest(self, samples: list[Sample]) -> int:
-        """Accept samples of groups in flight; drop (and count) anything else. Returns accepted."""
+    def ingest(self, samples: list[Sample], now: float | None = None) -> int:
+        """Accept samples of groups in flight; drop (and count) anything else. Returns accepted.
+
+        With ``now``, each sender counts as alive (before its samples are
+        judged, so a generator on the brink of expiry keeps its groups).
+        """
+        if now is not None:
+            for generator_id in sorted({s.meta.generator_id for s in samples}):
+                self.heartbeat(generator_id, now)
         accepted = 0
         for sample in samples:
-            group = self.in_flight.get(sample.meta.group_id)
-            index = sample.meta.sample_index
-            if group is None:
-                self.counters["dropped_unknown_group"] += 1
-            elif index in group.samples:
-                self.counters["dropped_duplicate"] += 1
-            elif not 0 <= index < group.item.num_samples:
-                self.counters["dropped_bad_index"] += 1
-            else:
-                group.samples[index] = sample
-                accepted += 1
-                if group.complete:
-                    del self.in_flight[group.item.group_id]
-                    self.ready.append(group)
+            reason = self._rejection(sample)
+            if reason is not None:
+                self.counters[reason] += 1
+                continue
+            group = self.in_flight[sample.meta.group_id]
+            group.add(sample)
+            accepted += 1
+            if group.complete:
+                self._complete(group)
         self.counters["accepted"] += accepted
         self.ready.sort(key=lambda g: g.version)
         return accepted
+
+    def _rejection(self, sample: Sample) -> str | None:
+        """Why ``sample`` cannot be accepted, as a counter name, or None."""
+        group = self.in_flight.get(sample.meta.group_id)
+        index = sample.meta.sample_index
+        if group is None:
+            dispatched_before = 0 <= sample.meta.group_id < self.cursor
+            return "dropped_duplicate" if dispatched_before else "dropped_unknown_group"
+        if sample.meta.generator_id != group.generator_id or index in group.samples:
+            return "dropped_duplicate"
+        if not 0 <= index < group.item.num_samples:
+            return "dropped_bad_index"
+        return None
+
+    def _complete(self, group: Group) -> None:
+        """A group has all its samples: filter it, or make it ready for the learner."""
+        del self.in_flight[group.item.group_id]
+        self.counters["completed_groups"] += 1
+        reason = self._filter_reason(group)
+        if reason is None:
+            self.ready.append(group)
+            return
+        self.counters["filtered"] += len(group.samples)
+        self._discard(group, f"filtered_{reason}")
+
+    def _filter_reason(self, group: Group) -> str | None:
+        samples = group.samples.values()
+        if self.filter_truncated and any(s.meta.finish_reason == "length" for s in samples):
+            return "truncated"
+        if self.filter_equal_rewards and len({s.meta.reward for s in samples}) == 1:
+            return "equal_rewards"
+        return None
 
     # ----------------------------------------------------------------- batches
 
@@ -140,13 +346,20 @@ class BufferStore:
         self.policy_version = max(self.policy_version, version)
 
     def evict_stale(self) -> None:
-        """Drop ready groups that are already too stale for the current version."""
+        """Drop ready groups that are already too stale for the current version.
+
+        A group never served is counted ``dropped_stale`` and frees admission
+        budget; a group kept for reuse was served already and simply retires.
+        """
         keep = []
         for group in self.ready:
-            if self.policy_version - group.version > self.max_staleness:
-                self._discard(group, "dropped_stale")
-            else:
+            if self.policy_version - group.version <= self.max_staleness:
                 keep.append(group)
+            elif group.times_served:
+                self.counters["retired_stale_after_serving"] += len(group.samples)
+            else:
+                self.counters["dropped_stale_response_tokens"] += group.response_tokens
+                self._discard(group, "dropped_stale")
         self.ready = keep
 
     def take_batch(self) -> list[Sample] | None:
@@ -155,33 +368,106 @@ class BufferStore:
         if self.held_samples() < self.samples_per_step:
             return None
         batch: list[Sample] = []
+        taken: list[Group] = []
         while self.ready and len(batch) + self.ready[0].item.num_samples <= self.samples_per_step:
             group = self.ready.pop(0)
             batch.extend(group.samples[i] for i in sorted(group.samples))
+            taken.append(group)
         staleness = [self.policy_version - s.version for s in batch]
         assert max(staleness) <= self.max_staleness, "take_batch served a stale sample"
+        for group in taken:
+            self._after_serving(group)
+        self.ready.sort(key=lambda g: g.version)
         self.served_staleness = staleness
         self.counters["served"] += len(batch)
+        self.counters["served_response_tokens"] += sum(s.meta.response_len for s in batch)
         return batch
+
+    def _after_serving(self, group: Group) -> None:
+        """Count a serving; keep the group for another while it has servings left."""
+        group.times_served += 1
+        if group.times_served > 1:
+            self.counters["served_again"] += len(group.samples)
+        if group.times_served < self.max_reuse:
+            self.ready.append(group)
 
     # ----------------------------------------------------------------- metrics
 
     def held_samples(self) -> int:
+        """Samples in ready groups (including groups kept for reuse)."""
         return sum(len(g.samples) for g in self.ready)
 
-    def stats(self) -> dict[str, float]:
-        generated = self.counters["accepted"]
-        return {
+    def held_bytes(self) -> int:
+        """Bytes of every sample held: ready groups and partial groups in flight."""
+        return sum(g.nbytes for g in self.ready) + sum(g.nbytes for g in self.in_flight.values())
+
+    def accounted(self) -> int:
+        """Where accepted samples are now; equals ``counters["accepted"]`` (invariant 5)."""
+        c = self.counters
+        return (
+            c["served"]
+            - c["served_again"]
+            + c["dropped_stale"]
+            + c["filtered"]
+            + c["discarded_requeue"]
+            + sum(len(g.samples) for g in self.ready if not g.times_served)
+            + sum(len(g.samples) for g in self.in_flight.values())
+        )
+
+    def stats(self, now: float | None = None) -> dict[str, float]:
+        """Flat ``buffer_*`` metrics; with ``now``, also closes the ingest-rate interval."""
+        if now is not None:
+            self._update_ingest_rate(now)
+        c = self.counters
+        accepted = c["accepted"]
+        stats = {
             "buffer_held": float(self.held_samples()),
+            "buffer_held_bytes": float(self.held_bytes()),
             "buffer_in_flight_groups": float(len(self.in_flight)),
-            "buffer_dropped_stale": float(self.counters["dropped_stale"]),
-            "buffer_dropped_duplicate": float(self.counters["dropped_duplicate"]),
-            "buffer_dropped_unknown": float(self.counters["dropped_unknown_group"]),
-            "buffer_evicted_frac": self.counters["dropped_stale"] / generated if generated else 0.0,
+            "buffer_requeue_waiting": float(len(self.requeue)),
+            "buffer_generators_alive": float(len(self.last_seen)),
+            "buffer_accepted": float(accepted),
+            "buffer_served": float(c["served"]),
+            "buffer_served_again": float(c["served_again"]),
+            "buffer_dropped_stale": float(c["dropped_stale"]),
+            "buffer_dropped_duplicate": float(c["dropped_duplicate"]),
+            "buffer_dropped_unknown": float(c["dropped_unknown_group"]),
+            "buffer_filtered": float(c["filtered"]),
+            **{f"buffer_filtered_{r}": float(c[f"filtered_{r}"]) for r in FILTERS},
+            "buffer_discarded_requeue": float(c["discarded_requeue"]),
+            "buffer_evicted_frac": c["dropped_stale"] / accepted if accepted else 0.0,
+            "buffer_requeued_groups": float(c["requeued_groups"]),
+            "buffer_ingest_rate": self.ingest_rate,
             "buffer_cursor": float(self.cursor),
-            "buffer_admission_refusals": float(self.counters["dispatch_refused_admission"]),
+            "buffer_admission_refusals": float(c["dispatch_refused_admission"]),
+            "buffer_backpressure_refusals": float(c["dispatch_refused_backpressure"]),
+            "buffer_response_len_served_mean": _mean(c["served_response_tokens"], c["served"]),
+            "buffer_response_len_evicted_mean": _mean(
+                c["dropped_stale_response_tokens"], c["dropped_stale"]
+            ),
         }
+        return stats | self._staleness_histogram()
+
+    def _staleness_histogram(self) -> dict[str, float]:
+        """``buffer_staleness_j``: samples of staleness j in the last batch, j = 0..k."""
+        counts = Counter(self.served_staleness)
+        return {f"buffer_staleness_{j}": float(counts[j]) for j in range(self.max_staleness + 1)}
+
+    def _update_ingest_rate(self, now: float) -> None:
+        accepted = self.counters["accepted"]
+        if self._rate_mark is None:
+            self._rate_mark = (now, accepted)
+            return
+        start, before = self._rate_mark
+        if now > start:
+            self.ingest_rate = (accepted - before) / (now - start)
+            self._rate_mark = (now, accepted)
 
     def _discard(self, group: Group, reason: str) -> None:
+        """Drop a group that will not be served: count it, free its admission budget."""
         self.counters[reason] += len(group.samples)
         self.started_samples -= group.item.num_samples
+
+
+def _mean(total: int, count: int) -> float:
+    return total / count if count else 0.0

@@ -10,7 +10,10 @@ tops them up with new work and loads the newest published weights, so a long
 generation never blocks an update and an update never discards a half-made
 sample: its earlier tokens keep the version and log-probs they were made with
 (partial rollouts). Each finished sample is scored and sent at the end of the
-chunk in which it finished.
+chunk in which it finished. Between chunks, and while idle, the replica sends a
+``Heartbeat`` when it has not spoken to the buffer for
+``buffer.heartbeat_interval_s``, so the buffer never mistakes a replica that is
+busy generating for a dead one and requeues its groups.
 """
 
 from __future__ import annotations
@@ -26,7 +29,14 @@ import zmq
 
 from asyncrl.config import Config
 from asyncrl.generators.hf_backend import HFBackend, Rollout
-from asyncrl.messages import Ack, Trajectories, TrajectoryMeta, WorkGrant, WorkRequest
+from asyncrl.messages import (
+    Ack,
+    Heartbeat,
+    Trajectories,
+    TrajectoryMeta,
+    WorkGrant,
+    WorkRequest,
+)
 from asyncrl.models import build_policy
 from asyncrl.tasks import REWARD_FUNCTIONS
 from asyncrl.transport import RequestClient, tcp
@@ -44,6 +54,8 @@ class GeneratorReplica:
         self.weights = WeightClient(context, tcp(config.cluster.host, config.cluster.weights_port))
         self.active: list[Rollout] = []
         self.stopping = False
+        self.last_contact = float("-inf")
+        """``time.monotonic()`` of the last request to the buffer: every one is a heartbeat."""
         self.stats = {"samples_sent": 0, "weight_swaps": 0, "weight_swap_latency_s": 0.0}
 
     def run_loop(self) -> None:
@@ -51,6 +63,7 @@ class GeneratorReplica:
         while not self.stopping:
             retry_after = self.top_up()
             if not self.active:
+                self.heartbeat()
                 time.sleep(max(retry_after, 0.01))
                 continue
             self.sync_weights()
@@ -59,13 +72,31 @@ class GeneratorReplica:
             self.active = [r for r in self.active if not r.finished]
             if finished:
                 self.send(finished)
+            self.heartbeat()
+
+    def heartbeat(self) -> None:
+        """Tell the buffer this replica is alive, unless another request just did."""
+        if time.monotonic() - self.last_contact < self.config.buffer.heartbeat_interval_s:
+            return
+        ack, _ = self.request(Heartbeat(self.generator_id))
+        assert isinstance(ack, Ack), ack
+
+    def request(
+        self,
+        body: WorkRequest | Trajectories | Heartbeat,
+        arrays: dict[str, np.ndarray] | None = None,
+    ):
+        """A request to the buffer, noted as this replica's latest sign of life."""
+        reply = self.buffer.request(body, arrays)
+        self.last_contact = time.monotonic()
+        return reply
 
     def top_up(self) -> float:
         """Ask the buffer for as many samples as there is room for; returns its retry hint."""
         room = self.config.generators.max_active_samples - len(self.active)
         if room < self.config.algorithm.group_size:
             return 0.0
-        grant, _ = self.buffer.request(WorkRequest(self.generator_id, room))
+        grant, _ = self.request(WorkRequest(self.generator_id, room))
         assert isinstance(grant, WorkGrant), grant
         now = time.time()
         for item in grant.items:
@@ -96,7 +127,7 @@ class GeneratorReplica:
 
     def send(self, rollouts: list[Rollout]) -> None:
         metas, arrays = self.package(rollouts)
-        ack, _ = self.buffer.request(Trajectories(metas), arrays)
+        ack, _ = self.request(Trajectories(metas), arrays)
         assert isinstance(ack, Ack), ack
         self.stats["samples_sent"] += len(rollouts)
 

@@ -1,0 +1,278 @@
+"""A real BufferService requeues a silent generator's groups and applies back-pressure."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import uvloop
+import zmq
+
+from asyncrl.buffer.service import BufferService, build_store
+from asyncrl.buffer.store import BufferStore
+from asyncrl.config import Config, load_config
+from asyncrl.messages import (
+    Ack,
+    BatchRequest,
+    Heartbeat,
+    Trajectories,
+    TrajectoryMeta,
+    WorkGrant,
+    WorkRequest,
+    decode,
+    encode,
+)
+from asyncrl.tasks import work_item_factory
+from asyncrl.transport import free_port, tcp
+
+pytestmark = pytest.mark.timeout(60)
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+REPLY_TIMEOUT_MS = 5000
+GROUP_SIZE = 4
+BATCH = 2 * GROUP_SIZE
+TIMEOUT_S = 0.5
+
+
+class RunningBuffer:
+    """A BufferService on its own event loop in a background thread."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.endpoint = tcp("127.0.0.1", config.cluster.buffer_port)
+        self.service: BufferService | None = None
+        self.store: BufferStore | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.error: BaseException | None = None
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="buffer-service", daemon=True)
+
+    def _run(self) -> None:
+        # The service, its zmq context and its socket are created on the thread that uses them.
+        self.loop = uvloop.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.store = build_store(self.config, work_item_factory(self.config))
+            self.service = BufferService(self.config, self.store, self.endpoint)
+            self.started.set()
+            self.loop.run_until_complete(self.service.serve_loop())
+        except BaseException as error:  # recorded for the test; the thread must end cleanly
+            self.error = error
+        finally:
+            self.started.set()
+            if self.service is not None and not self.service.socket.closed:
+                self.service.socket.close(linger=0)
+                self.service.context.term()
+            self.loop.close()
+
+    def start(self) -> RunningBuffer:
+        self.thread.start()
+        assert self.started.wait(30), "buffer service did not start"
+        assert self.service is not None, f"buffer service failed to start: {self.error!r}"
+        return self
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            # RuntimeError: the loop already ended (the service crashed).
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self.service.stopping.set)
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "buffer service did not stop"
+
+
+def make_config(*overrides: str) -> Config:
+    return load_config(
+        QUICKSTART,
+        [
+            f"algorithm.group_size={GROUP_SIZE}",
+            "algorithm.prompts_per_step=2",
+            f"cluster.buffer_port={free_port()}",
+            f"cluster.weights_port={free_port()}",
+            f"buffer.heartbeat_timeout_s={TIMEOUT_S}",
+            "buffer.heartbeat_interval_s=0.1",
+            *overrides,
+        ],
+    )
+
+
+@contextlib.contextmanager
+def running_buffer(config: Config) -> Iterator[RunningBuffer]:
+    running = RunningBuffer(config).start()
+    try:
+        yield running
+    finally:
+        running.stop()
+    assert running.error is None, running.error
+
+
+@pytest.fixture
+def buffer():
+    with running_buffer(make_config()) as running:
+        yield running
+
+
+@pytest.fixture
+def context():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def connect(context: zmq.Context, endpoint: str) -> zmq.Socket:
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, REPLY_TIMEOUT_MS)
+    sock.setsockopt(zmq.RCVTIMEO, REPLY_TIMEOUT_MS)
+    sock.connect(endpoint)
+    return sock
+
+
+def exchange(sock: zmq.Socket, body, arrays=None):
+    sock.send_multipart(encode(body, arrays))
+    reply, _ = decode(sock.recv_multipart())
+    return reply
+
+
+def trajectories(group_id: int, indices: range, generator_id: str):
+    """A Trajectories message of samples ``indices`` of one group, from ``generator_id``."""
+    prompt_len, response_len, n = 4, 3, len(indices)
+    metas = [
+        TrajectoryMeta(group_id, index, prompt_len, response_len, 0.5, "stop", generator_id)
+        for index in indices
+    ]
+    arrays = {
+        "prompt_ids": np.ones(prompt_len * n, dtype=np.int32),
+        "response_ids": np.full(response_len * n, 4, dtype=np.int32),
+        "logprobs": np.full(response_len * n, -0.5, dtype=np.float32),
+        "token_versions": np.zeros(response_len * n, dtype=np.int32),
+        "loss_mask": np.ones(response_len * n, dtype=np.uint8),
+    }
+    return Trajectories(metas), arrays
+
+
+def send_group(sock: zmq.Socket, group_id: int, generator_id: str, indices=None) -> Ack:
+    reply = exchange(sock, *trajectories(group_id, indices or range(GROUP_SIZE), generator_id))
+    assert isinstance(reply, Ack), reply
+    return reply
+
+
+def wait_until(condition, while_waiting, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        while_waiting()
+        time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------
+
+
+def test_a_silent_generator_s_groups_go_to_another_and_its_late_samples_are_duplicates(
+    buffer, context
+):
+    a = connect(context, buffer.endpoint)
+    b = connect(context, buffer.endpoint)
+    learner = connect(context, buffer.endpoint)
+
+    grant = exchange(a, WorkRequest("gen-a", max_samples=BATCH))
+    assert [item.group_id for item in grant.items] == [0, 1]
+    started = time.monotonic()
+    assert send_group(a, 0, "gen-a", range(2)) == Ack(accepted=2)
+
+    # gen-a goes silent; gen-b stays alive with heartbeats until gen-a is presumed dead
+    wait_until(
+        lambda: buffer.store.counters["requeued_groups"] == 2,
+        lambda: exchange(b, Heartbeat("gen-b")),
+    )
+    assert time.monotonic() - started >= TIMEOUT_S
+    assert buffer.store.counters["discarded_requeue"] == 2
+    assert "gen-b" in buffer.store.last_seen
+
+    grant = exchange(b, WorkRequest("gen-b", max_samples=BATCH))
+    assert isinstance(grant, WorkGrant)
+    assert [item.group_id for item in grant.items] == [0, 1]
+
+    # gen-a was only slow: what it sends now is too late
+    late = send_group(a, 0, "gen-a", range(2, GROUP_SIZE))
+    late_whole = send_group(a, 1, "gen-a")
+    assert late == Ack(accepted=0, rejected=2)
+    assert late_whole == Ack(accepted=0, rejected=GROUP_SIZE)
+    assert buffer.store.counters["dropped_duplicate"] == 2 + GROUP_SIZE
+
+    assert send_group(b, 0, "gen-b") == Ack(accepted=GROUP_SIZE)
+    assert send_group(b, 1, "gen-b") == Ack(accepted=GROUP_SIZE)
+    learner.send_multipart(encode(BatchRequest(policy_version=0)))
+    batch, _ = decode(learner.recv_multipart())
+
+    assert isinstance(batch, Trajectories)
+    assert {(m.group_id, m.generator_id) for m in batch.samples} == {(0, "gen-b"), (1, "gen-b")}
+    assert batch.stats["buffer_requeued_groups"] == 2.0
+    assert batch.stats["buffer_dropped_duplicate"] == float(2 + GROUP_SIZE)
+    assert batch.stats["buffer_discarded_requeue"] == 2.0
+    assert buffer.store.accounted() == buffer.store.counters["accepted"]
+
+
+def test_heartbeats_keep_a_busy_generator_s_groups(context):
+    # a longer timeout than elsewhere: a 0.1s heartbeat must not miss it on a loaded machine
+    timeout_s = 1.0
+    with running_buffer(make_config(f"buffer.heartbeat_timeout_s={timeout_s}")) as buffer:
+        a = connect(context, buffer.endpoint)
+        grant = exchange(a, WorkRequest("gen-a", max_samples=BATCH))
+        assert len(grant.items) == 2
+
+        until = time.monotonic() + 2 * timeout_s
+        while time.monotonic() < until:
+            assert exchange(a, Heartbeat("gen-a")) == Ack(accepted=0)
+            time.sleep(0.1)
+
+        assert buffer.store.counters["requeued_groups"] == 0
+        assert set(buffer.store.in_flight) == {0, 1}
+
+
+def test_the_replica_loop_s_heartbeat_reaches_the_buffer_at_most_once_per_interval(buffer, context):
+    from asyncrl.generators.worker import GeneratorReplica
+
+    replica = GeneratorReplica(buffer.config, "gen-w", backend=None, context=context)
+    replica.heartbeat()
+    first = replica.last_contact
+    replica.heartbeat()  # within the interval: nothing sent
+    assert replica.last_contact == first
+    wait_until(lambda: "gen-w" in buffer.store.last_seen, lambda: None, timeout_s=5)
+    time.sleep(buffer.config.buffer.heartbeat_interval_s)
+    replica.heartbeat()
+    assert replica.last_contact > first
+
+
+def test_back_pressure_refuses_work_with_a_retry_hint_while_a_batch_is_still_served(context):
+    config = make_config("buffer.max_held_samples=8", "buffer.max_staleness=3")
+    with running_buffer(config) as buffer:
+        generator = connect(context, buffer.endpoint)
+        learner = connect(context, buffer.endpoint)
+        grant = exchange(generator, WorkRequest("gen-a", max_samples=BATCH))
+        for item in grant.items:
+            assert send_group(generator, item.group_id, "gen-a") == Ack(accepted=GROUP_SIZE)
+        assert buffer.store.held_samples() == 8
+
+        refused = exchange(generator, WorkRequest("gen-a", max_samples=BATCH))
+        assert isinstance(refused, WorkGrant)
+        assert refused.items == []
+        assert refused.retry_after_s > 0
+        assert buffer.store.counters["dispatch_refused_backpressure"] == 1
+        assert buffer.store.counters["dispatch_refused_admission"] == 0
+
+        learner.send_multipart(encode(BatchRequest(policy_version=0)))
+        batch, _ = decode(learner.recv_multipart())
+        assert isinstance(batch, Trajectories)
+        assert len(batch.samples) == BATCH
+        assert batch.stats["buffer_backpressure_refusals"] == 1.0
+        assert batch.stats["buffer_dropped_stale"] == 0.0
+
+        # room again: work flows
+        grant = exchange(generator, WorkRequest("gen-a", max_samples=BATCH))
+        assert [item.group_id for item in grant.items] == [2, 3]
