@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import threading
 from collections import Counter
 from pathlib import Path
 
 import msgspec
 import numpy as np
 import pytest
-import uvloop
 import zmq
+from running_buffer import RunningBuffer
 
-from asyncrl.buffer.service import BufferService
-from asyncrl.buffer.store import BufferStore
 from asyncrl.config import load_config
 from asyncrl.messages import (
     SCHEMA_VERSION,
@@ -31,8 +26,7 @@ from asyncrl.messages import (
     encode,
     encode_raw,
 )
-from asyncrl.tasks import work_item_factory
-from asyncrl.transport import free_port, tcp
+from asyncrl.transport import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,63 +35,17 @@ REPLY_TIMEOUT_MS = 5000
 GROUP_SIZE = 4
 
 
-class RunningBuffer:
-    """A BufferService on its own event loop in a background thread."""
-
-    def __init__(self, endpoint: str):
-        self.endpoint = endpoint
-        self.config = load_config(
-            QUICKSTART,
-            [f"algorithm.group_size={GROUP_SIZE}", "algorithm.prompts_per_step=2"],
-        )
-        self.service: BufferService | None = None
-        self.store: BufferStore | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.error: BaseException | None = None
-        self.started = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="buffer-service", daemon=True)
-
-    def _run(self) -> None:
-        # The service, its zmq context and its socket are created on the thread that uses them.
-        self.loop = uvloop.new_event_loop()
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.store = BufferStore(
-                make_item=work_item_factory(self.config),
-                samples_per_step=self.config.algorithm.samples_per_step,
-                max_staleness=self.config.buffer.max_staleness,
-                admission_control=self.config.buffer.admission_control,
-            )
-            self.service = BufferService(self.config, self.store, self.endpoint)
-            self.started.set()
-            self.loop.run_until_complete(self.service.serve_loop())
-        except BaseException as error:  # recorded for the test; the thread must end cleanly
-            self.error = error
-        finally:
-            self.started.set()
-            if self.service is not None and not self.service.socket.closed:
-                self.service.socket.close(linger=0)
-                self.service.context.term()
-            self.loop.close()
-
-    def start(self) -> RunningBuffer:
-        self.thread.start()
-        assert self.started.wait(30), "buffer service did not start"
-        assert self.service is not None, f"buffer service failed to start: {self.error!r}"
-        return self
-
-    def stop(self) -> None:
-        if self.thread.is_alive():
-            # RuntimeError: the loop already ended (the service crashed).
-            with contextlib.suppress(RuntimeError):
-                self.loop.call_soon_threadsafe(self.service.stopping.set)
-        self.thread.join(10)
-        assert not self.thread.is_alive(), "buffer service did not stop"
-
-
 @pytest.fixture
 def buffer():
-    running = RunningBuffer(tcp("127.0.0.1", free_port())).start()
+    config = load_config(
+        QUICKSTART,
+        [
+            f"algorithm.group_size={GROUP_SIZE}",
+            "algorithm.prompts_per_step=2",
+            f"cluster.buffer_port={free_port()}",
+        ],
+    )
+    running = RunningBuffer(config).start()
     yield running
     running.stop()
 
