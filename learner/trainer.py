@@ -80,13 +80,13 @@ def train_step(
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
     optimizer.step()
     policy.eval()
-    entropy = -(
-        logits[:, :-1].float().log_softmax(-1).exp() * logits[:, :-1].float().log_softmax(-1)
-    ).sum(-1)
+    with torch.no_grad():
+        log_p = logits[:, :-1].float().log_softmax(-1)  # [B, L-1, V]
+        entropy = -(log_p.exp() * log_p).sum(-1)  # [B, L-1]
     return {
         "loss_policy": loss.item(),
         "learner_grad_norm": grad_norm.item(),
-        "learner_entropy": masked_mean(entropy.detach(), batch.loss_mask).item(),
+        "learner_entropy": masked_mean(entropy, batch.loss_mask).item(),
         "advantage_abs_mean": advantages.abs().mean().item(),
         **{
             f"learner_{k}" if not k.startswith("importance") else k: v.item()
