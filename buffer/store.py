@@ -72,9 +72,11 @@ and a group id below the cursor that is not in flight was dispatched before.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -96,9 +98,9 @@ class Sample:
     token_versions: np.ndarray
     loss_mask: np.ndarray
 
-    @property
+    @cached_property
     def version(self) -> int:
-        """The oldest weight version among its generated tokens."""
+        """The oldest weight version among its generated tokens (computed once, then kept)."""
         return int(self.token_versions.min()) if self.token_versions.size else 0
 
     @property
@@ -121,12 +123,13 @@ class Group:
     def add(self, sample: Sample) -> None:
         self.samples[sample.meta.sample_index] = sample
         self.nbytes += sample.nbytes
+        self.__dict__.pop("version", None)  # computed again from the samples now held
 
     @property
     def complete(self) -> bool:
         return len(self.samples) == self.item.num_samples
 
-    @property
+    @cached_property
     def version(self) -> int:
         return min(sample.version for sample in self.samples.values())
 
@@ -305,7 +308,6 @@ class BufferStore:
             if group.complete:
                 self._complete(group)
         self.counters["accepted"] += accepted
-        self.ready.sort(key=lambda g: g.version)
         return accepted
 
     def _rejection(self, sample: Sample) -> str | None:
@@ -327,7 +329,9 @@ class BufferStore:
         self.counters["completed_groups"] += 1
         reason = self._filter_reason(group)
         if reason is None:
-            self.ready.append(group)
+            # keeps ``ready`` oldest version first, after groups of the same version (as a
+            # stable sort would) without re-sorting every held group on each ingest
+            bisect.insort(self.ready, group, key=_group_version)
             return
         self.counters["filtered"] += len(group.samples)
         self._discard(group, f"filtered_{reason}")
@@ -467,6 +471,10 @@ class BufferStore:
         """Drop a group that will not be served: count it, free its admission budget."""
         self.counters[reason] += len(group.samples)
         self.started_samples -= group.item.num_samples
+
+
+def _group_version(group: Group) -> int:
+    return group.version
 
 
 def _mean(total: int, count: int) -> float:
