@@ -74,15 +74,42 @@ class AlgorithmConfig(_Section):
     """Samples generated per prompt (one group; GRPO normalises within it)."""
     prompts_per_step: int = Field(8, ge=1)
     """Groups in one learner batch."""
-    advantage: Literal["grpo"] = "grpo"
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
+    """Advantage estimator; `gae` is PPO with a critic (value head), the others need none."""
     normalize_std: bool = True
     """GRPO: divide by the group's reward std (off gives Dr. GRPO's advantage)."""
     clip_low: float = Field(0.2, ge=0.0)
+    """PPO clip below: the ratio pi_theta/pi_prox is clipped at 1 - clip_low."""
     clip_high: float = Field(0.2, ge=0.0)
-    correction: Literal["none", "tis"] = "tis"
-    """Behavior correction: `tis` weights each token by min(pi_prox/pi_behavior, C)."""
+    """PPO clip above: clipped at 1 + clip_high (DAPO's clip-higher raises it)."""
+    clip_c: float | None = Field(None, gt=1.0)
+    """Dual clip: for negative advantages the loss is at most -clip_c * A; empty disables."""
+    correction: Literal["none", "tis", "mis", "decoupled"] = "tis"
+    """Behavior correction w(rho = pi_prox/pi_behavior): tis min(rho, C), mis 0 above C, none 1."""
+    correction_level: Literal["token", "sequence"] = "token"
+    """Ratio per token, or per sequence (the geometric mean of its token ratios)."""
     correction_cap: float = Field(2.0, gt=0.0)
-    """C, the truncation of the behavior importance weight."""
+    """C, the truncation (tis) or masking (mis) threshold of the behavior importance weight."""
+    aggregation: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    """How token losses become one number; `seq-mean-token-sum-norm` is Dr. GRPO's."""
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """Discount over response tokens (reinforce_pp, gae)."""
+    lam: float = Field(1.0, ge=0.0, le=1.0)
+    """GAE lambda (gae only)."""
+    value_clip: float | None = Field(0.2, gt=0.0)
+    """gae: clip the value head's change per update to +-value_clip; empty disables."""
+    value_coef: float = Field(0.5, ge=0.0)
+    """gae: weight of the value loss added to the policy loss."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of the KL to a frozen reference model; 0 loads no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (Schulman): k1 log-ratio, k2 half its square, k3 non-negative."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """Where the KL penalty goes: added to the loss, or subtracted from each token's reward."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Entropy bonus: subtract entropy_coef * entropy from the loss; 0 disables."""
 
     @property
     def samples_per_step(self) -> int:
@@ -340,3 +367,22 @@ def _all_paths(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[tup
         sub = _section_type(field.annotation)
         paths += _all_paths(sub, (*prefix, name)) if sub else [(*prefix, name)]
     return paths
+
+
+# --------------------------------------------------------------------------
+# warnings
+
+
+def config_warnings(config: Config) -> list[str]:
+    """Valid but risky settings, one human-readable line each, to print at launch."""
+    warnings: list[str] = []
+    algorithm, buffer = config.algorithm, config.buffer
+    if algorithm.correction == "none" and buffer.max_staleness > 0:
+        warnings.append(
+            f"algorithm.correction=none with buffer.max_staleness={buffer.max_staleness}: "
+            "tokens sampled by older policies are trained as if on-policy, so the clipped "
+            "ratio no longer bounds the update; uncorrected off-policy PPO has collapsed "
+            "silently in other trainers. Use algorithm.correction=tis (the default), or "
+            "buffer.max_staleness=0"
+        )
+    return warnings
