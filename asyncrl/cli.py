@@ -18,9 +18,20 @@ def _parser() -> argparse.ArgumentParser:
     launch = commands.add_parser(
         "launch", help="run buffer, learner and generators on this machine"
     )
-    launch.add_argument("config", type=Path, help="YAML config, e.g. configs/quickstart.yaml")
+    launch.add_argument(
+        "config",
+        type=Path,
+        nargs="?",
+        help="YAML config, e.g. configs/quickstart.yaml (default with --resume: the run's own)",
+    )
     launch.add_argument("overrides", nargs="*", help="key.path=value, e.g. buffer.max_staleness=2")
     launch.add_argument("--run-dir", type=Path, help="directory for this run (default: a new one)")
+    launch.add_argument(
+        "--resume",
+        type=Path,
+        metavar="RUN_DIR",
+        help="continue RUN_DIR from its newest complete checkpoint",
+    )
 
     validate = commands.add_parser("validate", help="check a config and print it resolved")
     validate.add_argument("config", type=Path)
@@ -29,7 +40,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    resume = getattr(args, "resume", None)
+    if args.command == "launch":
+        if resume is not None and args.run_dir is not None:
+            parser.error("--resume RUN_DIR continues in RUN_DIR; do not also give --run-dir")
+        if args.config is None and resume is None:
+            parser.error("launch needs a CONFIG (or --resume RUN_DIR)")
+        if args.config is not None and "=" in args.config.name and resume is not None:
+            args.overrides.insert(0, str(args.config))  # `--resume RUN key=value`: no config
+            args.config = None
+        if args.config is None:
+            args.config = resume / "config.yaml"
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as error:
@@ -42,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from asyncrl.launch import launch
 
+    if resume is not None:
+        return launch(config, resume, resume=True)
     return launch(config, args.run_dir)
 
 

@@ -139,12 +139,34 @@ class BufferConfig(_Section):
 
 class LearnerConfig(_Section):
     lr: float = Field(1e-3, gt=0.0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """After warm-up, keep the rate, or decay it to `min_lr_ratio * lr` at the last step."""
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warm-up from 0 to `lr`."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float = Field(1.0, gt=0.0)
+    """Clip gradients to this global L2 norm (over all shards)."""
     sync_interval: int = Field(1, ge=1)
     """Publish weights every this many versions."""
+    world_size: int = Field(1, ge=1)
+    """Learner ranks (processes); the policy is sharded over them with FSDP2."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto`: CUDA (NCCL) when a GPU is visible, else CPU (gloo)."""
+    mixed_precision: Literal["auto", "bf16", "none"] = "auto"
+    """`bf16`: bf16 parameters in compute, fp32 gradient reduction. `auto`: bf16 on CUDA only."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass: less memory, more compute."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only)."""
+    max_tokens_per_microbatch: int = Field(16384, ge=1)
+    """Token budget of one forward/backward (rows x padded length); gradients accumulate."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer updates per batch. Above 1 the proximal policy costs one extra forward pass."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Save a sharded checkpoint every this many steps (0: only the final policy)."""
     num_threads: int = Field(1, ge=1)
-    """torch intra-op threads for the learner process."""
+    """torch intra-op threads per learner rank."""
 
 
 class GeneratorsConfig(_Section):
@@ -194,6 +216,16 @@ class Config(_Section):
                 f"learner.sync_interval={self.learner.sync_interval} must be at most "
                 f"buffer.max_staleness + 1 = {k + 1}: generators would only hold weights "
                 "too stale to train on; raise buffer.max_staleness or lower learner.sync_interval"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _minibatches_fit(self) -> Config:
+        if self.learner.minibatches > self.algorithm.samples_per_step:
+            raise ValueError(
+                f"learner.minibatches={self.learner.minibatches} is more than the "
+                f"{self.algorithm.samples_per_step} samples of a batch "
+                "(algorithm.group_size * algorithm.prompts_per_step)"
             )
         return self
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 from asyncrl.config import Config, save_config
+from asyncrl.paths import latest_checkpoint
 from asyncrl.transport import free_port
 
 STOP_TIMEOUT_S = 10.0
@@ -85,9 +86,13 @@ class Supervisor:
         self.run_dir = run_dir
         self.processes: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, role: str, *extra: str) -> None:
-        log_file = (self.run_dir / "logs" / f"{name}.log").open("w")
+    def start(self, name: str, role: str, *extra: str, ranks: int = 1) -> None:
+        """Start ``python -m asyncrl.roles ROLE RUN_DIR``; with ``ranks`` > 1 under torchrun."""
+        log_file = (self.run_dir / "logs" / f"{name}.log").open("a")
         command = [sys.executable, "-m", "asyncrl.roles", role, str(self.run_dir), *extra]
+        if ranks > 1:
+            torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            command = [*torchrun, f"--nproc-per-node={ranks}", *command[1:]]
         self.processes[name] = subprocess.Popen(
             command,
             stdout=log_file,
@@ -96,9 +101,10 @@ class Supervisor:
             preexec_fn=_die_with_parent,
         )
 
-    def start_all(self) -> None:
-        self.start("buffer", "buffer")
-        self.start("learner", "learner")
+    def start_all(self, resume_from: Path | None = None) -> None:
+        resume = ("--resume-from", str(resume_from)) if resume_from else ()
+        self.start("buffer", "buffer", *resume)
+        self.start("learner", "learner", *resume, ranks=self.config.learner.world_size)
         for index in range(self.config.generators.replicas):
             self.start(f"generator-{index}", "generator", "--index", str(index))
 
@@ -130,17 +136,29 @@ class Supervisor:
                 process.wait()
 
 
-def launch(config: Config, run_dir: Path | None = None) -> int:
-    """Run to completion; returns the exit status for the command line."""
+def launch(config: Config, run_dir: Path | None = None, resume: bool = False) -> int:
+    """Run to completion; returns the exit status for the command line.
+
+    With ``resume``, ``run_dir`` is an earlier run: it continues from its newest
+    complete checkpoint, with fresh ports.
+    """
+    resume_from = None
+    if resume:
+        resume_from = latest_checkpoint(run_dir)
+        if resume_from is None:
+            print(f"asyncrl: {run_dir} has no complete checkpoint to resume from", file=sys.stderr)
+            return 2
     run_dir = make_run_dir(config, run_dir)
     config = resolve_ports(config)
     save_config(config, run_dir / "config.yaml")
     print(f"run dir: {run_dir}", flush=True)
+    if resume_from is not None:
+        print(f"resuming from {resume_from}", flush=True)
     supervisor = Supervisor(config, run_dir)
     progress = Progress(run_dir / "metrics.jsonl", config.run.total_steps)
     started = time.perf_counter()
     try:
-        supervisor.start_all()
+        supervisor.start_all(resume_from)
         while supervisor.processes["learner"].poll() is None:
             progress.poll()
             if (message := supervisor.failure()) is not None:

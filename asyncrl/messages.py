@@ -141,6 +141,16 @@ class BatchRequest(_Body, tag="batch_request"):
     policy_version: int
 
 
+class SaveBufferState(_Body, tag="save_buffer_state"):
+    """The learner checkpoints step ``step``: the buffer writes its dataset cursor and
+    unfinished groups into that checkpoint's directory, then answers with an Ack.
+
+    The buffer derives the path from its own run directory; a peer never names a file.
+    """
+
+    step: int
+
+
 class ErrorReply(_Body, tag="error"):
     reason: str
     detail: str = ""
@@ -178,6 +188,7 @@ Message = (
     | Heartbeat
     | Ack
     | BatchRequest
+    | SaveBufferState
     | ErrorReply
     | WeightsRequest
     | WeightsUpToDate

@@ -23,8 +23,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("role", choices=ROLES)
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--index", type=int, default=0, help="replica index (generators)")
+    parser.add_argument(
+        "--resume-from", type=Path, help="checkpoint directory to continue from (buffer, learner)"
+    )
     args = parser.parse_args(argv)
     name = args.role if args.role != "generator" else f"generator-{args.index}"
+    if args.role == "learner" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        name = f"learner-{os.environ['RANK']}"
     logging.basicConfig(
         level=os.environ.get("ASYNCRL_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
@@ -33,11 +38,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.role == "buffer":
         from asyncrl.buffer.service import run
 
-        run(config, args.run_dir)
+        run(config, args.run_dir, args.resume_from)
     elif args.role == "learner":
         from asyncrl.learner.trainer import run
 
-        run(config, args.run_dir)
+        run(config, args.run_dir, args.resume_from)
     else:
         from asyncrl.generators.worker import run
 

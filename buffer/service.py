@@ -18,6 +18,7 @@ under ``rejected_<reason>``, and the service goes on.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import time
@@ -37,6 +38,7 @@ from asyncrl.messages import (
     BatchRequest,
     ErrorReply,
     Heartbeat,
+    SaveBufferState,
     Trajectories,
     TrajectoryMeta,
     WireError,
@@ -46,6 +48,7 @@ from asyncrl.messages import (
     decode,
     encode,
 )
+from asyncrl.paths import BUFFER_STATE, checkpoint_dir
 from asyncrl.transport import tcp
 
 log = logging.getLogger("asyncrl.buffer")
@@ -57,10 +60,14 @@ POLL_MS = 100
 
 
 class BufferService:
-    def __init__(self, config: Config, store: BufferStore, endpoint: str):
+    def __init__(
+        self, config: Config, store: BufferStore, endpoint: str, run_dir: Path | None = None
+    ):
         self.config = config
         self.store = store
         self.endpoint = endpoint
+        self.run_dir = run_dir
+        """Where checkpoints go; without one, SaveBufferState is refused."""
         self.context = zmq.asyncio.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -122,10 +129,31 @@ class BufferService:
                 self.store.set_policy_version(version)
                 self.pending_batch = identity
                 await self._serve_pending()
+            case SaveBufferState(step=step):
+                self._save_state(step)
+                await self._reply(identity, Ack(accepted=1))
             case _:
                 raise WireError(
                     "unexpected_type", f"the buffer does not serve {type(body).__name__}"
                 )
+
+    def _save_state(self, step: int) -> None:
+        if self.run_dir is None:
+            raise WireError("unexpected_type", "this buffer has no run directory to save into")
+        if step < 0:
+            raise WireError("bad_field", f"SaveBufferState.step must be >= 0, got {step}")
+        path = checkpoint_dir(self.run_dir, step) / BUFFER_STATE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = self.store.durable_state()
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.replace(path)  # atomic: a reader never sees half a file
+        log.info(
+            "saved buffer state for step %d: cursor %d, %d unfinished groups",
+            step,
+            state["cursor"],
+            len(state["unfinished_groups"]),
+        )
 
     async def _serve_pending(self) -> None:
         if self.pending_batch is None:
@@ -216,11 +244,22 @@ def build_store(config: Config, make_item: Callable[[int], WorkItem]) -> BufferS
     )
 
 
-def run(config: Config, run_dir: Path) -> None:
+def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
+    """Serve until SIGTERM; with ``resume_from`` (a checkpoint), continue its dataset state."""
     from asyncrl.tasks import work_item_factory
 
     store = build_store(config, work_item_factory(config))
-    service = BufferService(config, store, tcp(config.cluster.host, config.cluster.buffer_port))
+    if resume_from is not None:
+        state = json.loads((resume_from / BUFFER_STATE).read_text())
+        store.restore(state)
+        log.info(
+            "resumed from %s: cursor %d, %d unfinished groups handed out first",
+            resume_from,
+            store.cursor,
+            len(store.requeue),
+        )
+    endpoint = tcp(config.cluster.host, config.cluster.buffer_port)
+    service = BufferService(config, store, endpoint, run_dir)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

@@ -395,6 +395,38 @@ class BufferStore:
         if group.times_served < self.max_reuse:
             self.ready.append(group)
 
+    # -------------------------------------------------------------- durability
+
+    def durable_state(self) -> dict:
+        """What a learner checkpoint keeps: the cursor and the groups not yet trained on.
+
+        Groups in flight, waiting to be requeued, or complete but never served are
+        "unfinished": a run resumed from this checkpoint hands them out again
+        before any new prompt, so no prompt is skipped, and since prompts come
+        from the cursor, none below it is handed out twice.
+        """
+        unfinished = [*self.in_flight, *(item.group_id for item in self.requeue)]
+        unfinished += [group.item.group_id for group in self.ready if not group.times_served]
+        return {
+            "cursor": self.cursor,
+            "policy_version": self.policy_version,
+            "started_samples": self.started_samples,
+            "unfinished_groups": sorted(unfinished),
+        }
+
+    def restore(self, state: dict) -> None:
+        """Continue from :meth:`durable_state` in a fresh store: unfinished groups go first."""
+        if self.cursor or self.in_flight or self.ready or self.requeue:
+            raise RuntimeError("restore() needs a fresh store")
+        self.cursor = int(state["cursor"])
+        self.policy_version = int(state["policy_version"])
+        self.started_samples = int(state["started_samples"])  # admission resumes where it was
+        for group_id in state["unfinished_groups"]:
+            if not 0 <= group_id < self.cursor:
+                raise ValueError(f"unfinished group {group_id} is not below cursor {self.cursor}")
+            self.requeue.append(self.make_item(group_id))
+        self.counters["restored_groups"] += len(state["unfinished_groups"])
+
     # ----------------------------------------------------------------- metrics
 
     def held_samples(self) -> int:

@@ -1,31 +1,40 @@
-"""The learner: pull a batch, take a policy-gradient step, publish, log. Repeat.
+"""The learner: pull a batch, update the policy, publish it, checkpoint, log. Repeat.
 
 ::
 
-    buffer ──Trajectories──▶ learner ──Weights(V)──▶ generators
-           ◀─BatchRequest(V)─   │
+    buffer ──Trajectories──▶ rank 0 ──broadcast──▶ every rank: update (FSDP2)
+           ◀─BatchRequest(V)─   │                       │
+                                └◀──── full tensors ────┘──▶ Weights(V) ──▶ generators
                                 └──▶ metrics.jsonl, aim
 
-The policy's version ``V`` counts optimizer updates. The batch handed over at
-version ``V`` holds no sample older than ``V - max_staleness`` (the buffer's
-``take_batch`` guarantees it; this loop reports the staleness it actually
-got). Weights are published every ``sync_interval`` versions.
+The policy's version ``V`` counts learner steps (batches trained on). The
+batch handed over at version ``V`` holds no sample older than ``V -
+max_staleness`` (the buffer's ``take_batch`` guarantees it; this loop reports
+the staleness it actually got). Weights are published every
+``sync_interval`` versions, and a checkpoint is written every
+``checkpoint_every`` steps.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 import zmq
+from torch import nn
 
-from asyncrl.config import AlgorithmConfig, Config
-from asyncrl.learner.algorithms import ADVANTAGES, masked_mean, policy_loss, token_logprobs
+from asyncrl.config import Config
+from asyncrl.learner import checkpoint, distributed, sharding
 from asyncrl.learner.batch import TrainBatch, collate
-from asyncrl.messages import BatchRequest, Trajectories
+from asyncrl.learner.distributed import Ranks
+from asyncrl.learner.update import Update
+from asyncrl.messages import Ack, BatchRequest, SaveBufferState, Trajectories
 from asyncrl.models import build_policy
+from asyncrl.paths import checkpoint_dir
 from asyncrl.tracking import Tracker
 from asyncrl.transport import RequestClient, tcp
 from asyncrl.weights import WeightPublisher
@@ -33,8 +42,9 @@ from asyncrl.weights import WeightPublisher
 log = logging.getLogger("asyncrl.learner")
 
 
-class BatchSource:
-    """Asks the buffer for the next batch and waits, however long generation takes."""
+class BufferClient:
+    """Rank 0's line to the buffer: batches (waiting however long generation takes)
+    and the buffer's share of each checkpoint."""
 
     def __init__(self, context: zmq.Context, endpoint: str, pad_id: int):
         self.client = RequestClient(context, endpoint, timeout_s=3600.0)
@@ -46,128 +56,210 @@ class BatchSource:
             raise RuntimeError(f"buffer answered a batch request with {reply!r}")
         return collate(reply.samples, arrays, self.pad_id), reply.stats
 
-
-def train_step(
-    policy: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: TrainBatch,
-    algorithm: AlgorithmConfig,
-    grad_clip: float,
-    temperature: float,
-) -> dict[str, float]:
-    """One optimizer update on ``batch``: GRPO advantages, clipped loss, TIS correction."""
-    advantages = ADVANTAGES[algorithm.advantage](
-        batch.rewards, batch.group_ids, algorithm.normalize_std
-    )
-    policy.train()
-    logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logprobs = token_logprobs(logits[:, :-1], batch.input_ids[:, 1:], temperature)  # [B, L-1]
-    # One update per batch: the proximal policy is the current one, detached.
-    proximal = logprobs.detach()
-    loss, stats = policy_loss(
-        logprobs,
-        proximal,
-        batch.behavior_logprobs,
-        advantages,
-        batch.loss_mask,
-        clip_low=algorithm.clip_low,
-        clip_high=algorithm.clip_high,
-        correction=algorithm.correction,
-        correction_cap=algorithm.correction_cap,
-    )
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
-    optimizer.step()
-    policy.eval()
-    with torch.no_grad():
-        log_p = logits[:, :-1].float().log_softmax(-1)  # [B, L-1, V]
-        entropy = -(log_p.exp() * log_p).sum(-1)  # [B, L-1]
-    return {
-        "loss_policy": loss.item(),
-        "learner_grad_norm": grad_norm.item(),
-        "learner_entropy": masked_mean(entropy, batch.loss_mask).item(),
-        "advantage_abs_mean": advantages.abs().mean().item(),
-        **{
-            f"learner_{k}" if not k.startswith("importance") else k: v.item()
-            for k, v in stats.items()
-        },
-        "_proximal": proximal,  # used for logprob_mismatch below, not logged
-    }
+    def save_state(self, step: int) -> None:
+        reply, _ = self.client.request(SaveBufferState(step))
+        if not isinstance(reply, Ack):
+            raise RuntimeError(f"buffer could not save its state for step {step}: {reply!r}")
 
 
-def logprob_mismatch(proximal: torch.Tensor, batch: TrainBatch, policy_version: int) -> float:
-    """Mean |learner - generator| log-prob over tokens made with the learner's current weights."""
-    current = (batch.token_versions == policy_version) & batch.loss_mask.bool()
-    if not current.any():
-        return float("nan")
-    return (proximal - batch.behavior_logprobs).abs()[current].mean().item()
+def lr_multiplier(config: Config):
+    """The schedule as a function of the step: linear warm-up, then constant or a decay."""
+    learner, total = config.learner, config.run.total_steps
+
+    def multiplier(step: int) -> float:
+        if step < learner.warmup_steps:
+            return (step + 1) / learner.warmup_steps
+        if learner.lr_schedule == "constant":
+            return 1.0
+        progress = (step - learner.warmup_steps) / max(1, total - learner.warmup_steps)
+        progress = min(progress, 1.0)
+        decay = (
+            1 - progress
+            if learner.lr_schedule == "linear"
+            else 0.5 * (1 + math.cos(math.pi * progress))
+        )
+        return learner.min_lr_ratio + (1 - learner.min_lr_ratio) * decay
+
+    return multiplier
 
 
-def run(config: Config, run_dir: Path) -> None:
+class Learner:
+    """Sharded model, optimizer, schedule and update rule, without sockets (tests drive it)."""
+
+    def __init__(self, config: Config, ranks: Ranks):
+        self.config = config
+        self.ranks = ranks
+        algorithm = config.algorithm
+        policy, self.tokenizer = build_policy(config.model, config.run.seed)
+        model: nn.Module = policy
+        if algorithm.advantage == "gae":
+            with torch.random.fork_rng():
+                model = sharding.PolicyWithValueHead(policy)
+        self.model = sharding.shard(model, config.learner, ranks)
+        self.publish_prefix = "policy." if algorithm.advantage == "gae" else ""
+        self.reference = None
+        if algorithm.kl_coef > 0:
+            reference, _ = build_policy(config.model, config.run.seed)
+            reference.requires_grad_(False)
+            self.reference = sharding.shard(reference, config.learner, ranks)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=config.learner.lr, weight_decay=config.learner.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(config))
+        self.update = Update(self.model, self.optimizer, config, ranks, self.reference)
+        self.step = 0
+        """Steps done; also the policy version."""
+
+    @property
+    def version(self) -> int:
+        return self.step
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        self.model.train()
+        metrics = self.update(batch, self.version)
+        metrics["learner_lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.step += 1
+        return metrics
+
+    def full_tensors(self):
+        """The policy's full tensors, one at a time (a collective: every rank drains it)."""
+        return sharding.full_tensors(self.model, self.publish_prefix)
+
+    def save_checkpoint(self, path: Path) -> None:
+        state = {"step": self.step, "scheduler": self.scheduler.state_dict()}
+        checkpoint.save(path, self.model, self.optimizer, state, self.ranks.rank)
+
+    def load_checkpoint(self, path: Path) -> None:
+        state = checkpoint.load(path, self.model, self.optimizer, self.ranks.rank)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+
+    def save_pretrained(self, path: Path) -> None:
+        """The policy in Hugging Face format (rank 0 writes; every rank must call)."""
+        state = dict(self.full_tensors())
+        if self.ranks.is_main:
+            policy, _ = build_policy(self.config.model, self.config.run.seed)
+            policy.load_state_dict(state)
+            policy.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+
+
+def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
+    ranks = distributed.init(config.learner.device)
     torch.set_num_threads(config.learner.num_threads)
     torch.manual_seed(config.run.seed)
-    policy, tokenizer = build_policy(config.model, config.run.seed)
-    optimizer = torch.optim.AdamW(
-        policy.parameters(), lr=config.learner.lr, weight_decay=config.learner.weight_decay
-    )
-    context = zmq.Context()
-    publisher = WeightPublisher(tcp(config.cluster.host, config.cluster.weights_port))
-    publisher.publish(policy.state_dict(), version=0)
-    batches = BatchSource(
-        context, tcp(config.cluster.host, config.cluster.buffer_port), tokenizer.pad_token_id
-    )
-    tracker = Tracker(run_dir, config.run.name, config.model_dump(mode="json"), config.tracking.aim)
-
-    version, samples_total, wait_total, started = 0, 0, 0.0, time.perf_counter()
-    try:
-        for step in range(config.run.total_steps):
+    learner = Learner(config, ranks)
+    if resume_from is not None:
+        learner.load_checkpoint(resume_from)
+        log.info("resumed from %s at version %d", resume_from, learner.version)
+    with ExitStack() as cleanup:
+        cleanup.callback(distributed.shutdown)
+        main = _MainRank(config, run_dir, learner, cleanup) if ranks.is_main else None
+        publish(learner, main)
+        while learner.step < config.run.total_steps:
             waited = time.perf_counter()
-            batch, buffer_stats = batches.next_batch(version)
+            batch, buffer_stats = main.next_batch(learner.version) if main else (None, {})
+            batch = distributed.broadcast_batch(batch, ranks)
             wait_s = time.perf_counter() - waited
-            wait_total += wait_s
 
-            metrics = train_step(
-                policy,
-                optimizer,
-                batch,
-                config.algorithm,
-                config.learner.grad_clip,
-                config.generators.temperature,
-            )
-            mismatch = logprob_mismatch(metrics.pop("_proximal"), batch, version)
-            staleness = (version - batch.versions).float()
-            version += 1
+            started = time.perf_counter()
+            consumed_version = learner.version
+            metrics = learner.train_step(batch)
+            update_s = time.perf_counter() - started
+
             stall = 0.0
-            if version % config.learner.sync_interval == 0:
-                stall = publisher.publish(policy.state_dict(), version)
+            if learner.version % config.learner.sync_interval == 0:
+                stall = publish(learner, main)
+            if (
+                config.learner.checkpoint_every
+                and learner.step % config.learner.checkpoint_every == 0
+            ):
+                save_checkpoint(learner, main, run_dir)
+            if main:
+                main.log(batch, consumed_version, metrics | buffer_stats, wait_s, update_s, stall)
+        if main is not None:
+            log.info("trained %d steps; saving the final policy", learner.step)
+        learner.save_pretrained(run_dir / "final")
 
-            samples_total += batch.num_samples
-            elapsed = time.perf_counter() - started
-            tracker.log(
-                step,
-                {
-                    "version": version,
-                    "reward_mean": batch.rewards.mean().item(),
-                    "staleness_mean": staleness.mean().item(),
-                    "staleness_max": staleness.max().item(),
-                    "samples_total": samples_total,
-                    "samples_per_s": samples_total / elapsed,
-                    "response_len_mean": batch.response_lengths.float().mean().item(),
-                    "logprob_mismatch": mismatch,
-                    "learner_wait_s": wait_s,
-                    "learner_wait_frac": wait_total / elapsed,
-                    "time_publish_stall_s": stall,
-                    "time_s": elapsed,
-                    **metrics,
-                    **buffer_stats,
-                },
-            )
-        final = run_dir / "final"
-        policy.save_pretrained(final)
-        tokenizer.save_pretrained(final)
-        log.info("saved the final policy to %s", final)
-    finally:
-        tracker.close()
-        publisher.close()
-        context.destroy(linger=0)
+
+def publish(learner: Learner, main: _MainRank | None) -> float:
+    """Hand the current weights to the generators; returns the seconds training stalled."""
+    started = time.perf_counter()
+    tensors = learner.full_tensors()
+    if main is None:
+        for _ in tensors:  # take part in the gathers; rank 0 keeps the tensors
+            pass
+    else:
+        main.publisher.publish(dict(tensors), learner.version)
+    return time.perf_counter() - started
+
+
+def save_checkpoint(learner: Learner, main: _MainRank | None, run_dir: Path) -> None:
+    path = checkpoint_dir(run_dir, learner.step)
+    learner.save_checkpoint(path)
+    if main is not None:
+        main.buffer.save_state(learner.step)
+        checkpoint.mark_complete(path)
+        log.info("checkpoint %s", path)
+
+
+class _MainRank:
+    """What only rank 0 does: talk to the buffer and the generators, and log."""
+
+    def __init__(self, config: Config, run_dir: Path, learner: Learner, cleanup: ExitStack):
+        self.config = config
+        self.context = zmq.Context()
+        cleanup.callback(self.context.destroy, linger=0)
+        self.publisher = WeightPublisher(tcp(config.cluster.host, config.cluster.weights_port))
+        cleanup.callback(self.publisher.close)
+        self.buffer = BufferClient(
+            self.context,
+            tcp(config.cluster.host, config.cluster.buffer_port),
+            learner.tokenizer.pad_token_id,
+        )
+        self.tracker = Tracker(
+            run_dir, config.run.name, config.model_dump(mode="json"), config.tracking.aim
+        )
+        cleanup.callback(self.tracker.close)
+        self.samples_total = 0
+        self.wait_total = 0.0
+        self.started = time.perf_counter()
+        self.first_step = learner.step
+
+    def next_batch(self, version: int) -> tuple[TrainBatch, dict[str, float]]:
+        return self.buffer.next_batch(version)
+
+    def log(
+        self,
+        batch: TrainBatch,
+        version: int,
+        metrics: dict[str, float],
+        wait_s: float,
+        update_s: float,
+        stall_s: float,
+    ) -> None:
+        self.samples_total += batch.num_samples
+        self.wait_total += wait_s
+        elapsed = time.perf_counter() - self.started
+        staleness = (version - batch.versions).float()
+        tokens = int(batch.attention_mask.sum())
+        self.tracker.log(
+            version,
+            {
+                "version": version + 1,
+                "reward_mean": batch.rewards.mean().item(),
+                "staleness_mean": staleness.mean().item(),
+                "staleness_max": staleness.max().item(),
+                "samples_total": self.samples_total,
+                "samples_per_s": self.samples_total / elapsed,
+                "response_len_mean": batch.response_lengths.float().mean().item(),
+                "learner_tokens_per_s": tokens / update_s if update_s > 0 else 0.0,
+                "learner_wait_s": wait_s,
+                "learner_wait_frac": self.wait_total / elapsed,
+                "time_update_s": update_s,
+                "time_publish_stall_s": stall_s,
+                "time_s": elapsed,
+                **metrics,
+            },
+        )

@@ -1,0 +1,328 @@
+"""One learner step on one batch, on every rank: the policy-gradient update itself.
+
+::
+
+    plan        split into mini-batches (one per optimizer update), deal each to ranks
+                and token-bounded micro-batches (the same plan on every rank)
+    pre-pass    no-grad forward where needed: proximal log-probs (several updates per
+                batch, or KL in the reward), reference log-probs (KL), values (PPO critic)
+    advantages  on the whole batch (group baselines need whole groups)
+    updates     per mini-batch: forward/backward each micro-batch, accumulate, clip, step
+
+Losses are normalised by counts over the whole mini-batch on all ranks (see
+:func:`~asyncrl.learner.algorithms.aggregate`), so the sum over micro-batches
+and ranks is the loss of the full mini-batch whatever the split; FSDP averages
+gradients over ranks, which each rank's loss undoes by a factor ``world_size``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from asyncrl.config import Config
+from asyncrl.learner import microbatch
+from asyncrl.learner.algorithms import (
+    aggregate,
+    compute_advantages,
+    entropy_from_logits,
+    kl_estimate,
+    policy_loss,
+    token_level_rewards,
+    token_logprobs,
+    value_loss,
+)
+from asyncrl.learner.batch import TrainBatch
+from asyncrl.learner.distributed import Ranks
+from asyncrl.learner.sharding import forward
+
+MAX_KEYS = ("importance_weight_max",)
+"""Statistics reduced by max over micro-batches and ranks; the rest are token-weighted means."""
+
+
+@dataclass
+class MicroBatch:
+    """Rows of the batch trimmed to their longest sequence; ``weight`` 0 marks a filler."""
+
+    rows: torch.Tensor  # [b] indices into the batch
+    width: int  # tokens per row (input); per-token fields have width - 1
+    weight: float = 1.0
+
+    def input(self, batch: TrainBatch, device: torch.device):
+        return (
+            batch.input_ids[self.rows, : self.width].to(device),
+            batch.attention_mask[self.rows, : self.width].to(device),
+        )
+
+    def tokens(self, full: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A per-token [B, L-1] tensor cut to this micro-batch."""
+        return full[self.rows, : self.width - 1].to(device)
+
+
+def micro_batches(plan: list[list[int]], lengths: list[int]) -> list[MicroBatch]:
+    """The plan's index lists as MicroBatches; an empty slot becomes a zero-weight filler."""
+    out = []
+    for rows in plan:
+        if rows:
+            out.append(MicroBatch(torch.tensor(rows), max(lengths[i] for i in rows)))
+        else:  # keeps FSDP's collectives in step with the other ranks
+            out.append(MicroBatch(torch.tensor([0]), max(2, lengths[0]), weight=0.0))
+    return out
+
+
+class Update:
+    """Computes and applies the policy-gradient update for one batch."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: Config,
+        ranks: Ranks,
+        reference: nn.Module | None = None,
+    ):
+        self.model = model
+        self.optimizer = optimizer
+        self.config = config
+        self.algorithm = config.algorithm
+        self.ranks = ranks
+        self.reference = reference
+        self.temperature = config.generators.temperature
+
+    def __call__(self, batch: TrainBatch, version: int) -> dict[str, float]:
+        algorithm, learner = self.algorithm, self.config.learner
+        lengths = batch.attention_mask.sum(1).tolist()
+        plans = microbatch.minibatch_plans(
+            lengths,
+            self.ranks.world_size,
+            learner.max_tokens_per_microbatch,
+            learner.minibatches,
+        )
+        mine = [plan[self.ranks.rank] for plan in plans]  # [update][micro_batch] -> rows
+
+        needs_proximal = learner.minibatches > 1 or (
+            algorithm.kl_coef > 0 and algorithm.kl_in == "reward"
+        )
+        pre = self._pre_pass(batch, [m for update in mine for m in update], lengths, needs_proximal)
+
+        kl_reward = None
+        if algorithm.kl_coef > 0 and algorithm.kl_in == "reward":
+            kl_reward = kl_estimate(pre["proximal"], pre["reference"], algorithm.kl_estimator)
+        token_rewards = None
+        if kl_reward is not None or algorithm.advantage in ("gae", "reinforce_pp"):
+            token_rewards = token_level_rewards(
+                batch.rewards, batch.loss_mask, kl=kl_reward, kl_coef=algorithm.kl_coef
+            )
+        advantages, returns = compute_advantages(
+            algorithm.advantage,
+            rewards=batch.rewards,
+            group_ids=batch.group_ids,
+            mask=batch.loss_mask,
+            values=pre.get("values"),
+            token_rewards=token_rewards,
+            normalize_std=algorithm.normalize_std,
+            gamma=algorithm.gamma,
+            lam=algorithm.lam,
+        )
+
+        sums: defaultdict[str, float] = defaultdict(float)
+        maxima: dict[str, float] = {}
+        for plan, update in zip(plans, mine, strict=True):
+            everyone = torch.tensor([i for rank in plan for rows in rank for i in rows])
+            normalizers = {
+                "num_tokens": batch.loss_mask[everyone].sum().item(),
+                "num_sequences": float(len(everyone)),
+                "norm_length": self.config.generators.max_new_tokens,
+            }
+            self.optimizer.zero_grad(set_to_none=True)
+            parts = micro_batches(update, lengths)
+            for index, part in enumerate(parts):
+                self.model.set_requires_gradient_sync(index == len(parts) - 1)
+                stats = self._micro_step(
+                    batch, part, advantages, returns, pre, normalizers, version
+                )
+                for key, (value, weight) in stats.items():
+                    if key in MAX_KEYS:
+                        maxima[key] = max(maxima.get(key, float("-inf")), value)
+                    else:
+                        sums[key] += value * weight
+                        sums[f"{key}/weight"] += weight
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), learner.grad_clip)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            sums["learner_grad_norm"] += grad_norm.item()
+            sums["learner_grad_norm/weight"] += 1.0
+            self.optimizer.step()
+        return self._reduce(sums, maxima) | {
+            "advantage_abs_mean": advantages[batch.loss_mask.bool()].abs().mean().item()
+            if batch.loss_mask.any()
+            else 0.0,
+            "learner_minibatches": float(len(mine)),
+            "learner_microbatches": float(sum(len(update) for update in mine)),
+        }
+
+    # ---------------------------------------------------------------- passes
+
+    @torch.no_grad()
+    def _pre_pass(
+        self,
+        batch: TrainBatch,
+        parts: list[list[int]],
+        lengths: list[int],
+        needs_proximal: bool,
+    ) -> dict[str, torch.Tensor]:
+        """Full-batch [B, L-1] tensors computed before any update: each rank fills its
+        rows and a sum over ranks assembles them (rows never overlap)."""
+        wanted = []
+        if needs_proximal:
+            wanted.append("proximal")
+        if self.reference is not None:
+            wanted.append("reference")
+        if self.algorithm.advantage == "gae":
+            wanted.append("values")
+        if not wanted:
+            return {}
+        device = self.ranks.device
+        out = {name: torch.zeros_like(batch.behavior_logprobs, device=device) for name in wanted}
+        for part in micro_batches(parts, lengths):
+            input_ids, attention_mask = part.input(batch, device)
+            targets = input_ids[:, 1:]
+            cut = (part.rows, slice(0, part.width - 1))
+            if "proximal" in out or "values" in out:
+                logits, values = forward(self.model, input_ids, attention_mask)
+                if "proximal" in out:
+                    logprobs = token_logprobs(logits[:, :-1], targets, self.temperature)
+                    out["proximal"][cut] = logprobs * part.weight
+                if "values" in out:
+                    out["values"][cut] = values[:, :-1].float() * part.weight
+            if "reference" in out:
+                logits, _ = forward(self.reference, input_ids, attention_mask)
+                logprobs = token_logprobs(logits[:, :-1], targets, self.temperature)
+                out["reference"][cut] = logprobs * part.weight
+        if self.ranks.world_size > 1:
+            for tensor in out.values():
+                dist.all_reduce(tensor)
+        return {name: tensor.cpu() for name, tensor in out.items()}
+
+    def _micro_step(
+        self,
+        batch: TrainBatch,
+        part: MicroBatch,
+        advantages: torch.Tensor,
+        returns: torch.Tensor | None,
+        pre: dict[str, torch.Tensor],
+        normalizers: dict[str, float],
+        version: int,
+    ) -> dict[str, tuple[float, float]]:
+        """Forward and backward one micro-batch; returns ``{stat: (value, weight)}``."""
+        algorithm, device = self.algorithm, self.ranks.device
+        input_ids, attention_mask = part.input(batch, device)
+        mask = part.tokens(batch.loss_mask, device) * part.weight
+        behavior = part.tokens(batch.behavior_logprobs, device)
+
+        logits, values = forward(self.model, input_ids, attention_mask)
+        logits = logits[:, :-1]
+        logprobs = token_logprobs(logits, input_ids[:, 1:], self.temperature)
+        proximal = part.tokens(pre["proximal"], device) if "proximal" in pre else logprobs.detach()
+        loss, stats = policy_loss(
+            logprobs,
+            proximal,
+            behavior,
+            part.tokens(advantages, device),
+            mask,
+            clip_low=algorithm.clip_low,
+            clip_high=algorithm.clip_high,
+            clip_c=algorithm.clip_c,
+            correction=algorithm.correction,
+            correction_level=algorithm.correction_level,
+            correction_cap=algorithm.correction_cap,
+            aggregation=algorithm.aggregation,
+            **normalizers,
+        )
+        out = {
+            f"learner_{key}" if not key.startswith("importance") else key: v
+            for key, v in stats.items()
+        }
+        agg = {"mode": algorithm.aggregation, **normalizers}
+        total = loss
+        out["loss_policy"] = loss.detach()
+        if values is not None:
+            v_loss, v_stats = value_loss(
+                values[:, :-1].float(),
+                part.tokens(pre["values"], device),
+                part.tokens(returns, device),
+                mask,
+                clip=algorithm.value_clip,
+                aggregation=algorithm.aggregation,
+                **normalizers,
+            )
+            total = total + algorithm.value_coef * v_loss
+            out["loss_value"] = v_loss.detach()
+            out |= {f"learner_{key}": value for key, value in v_stats.items()}
+        if self.reference is not None:
+            reference = part.tokens(pre["reference"], device)
+            kl = kl_estimate(logprobs, reference, algorithm.kl_estimator)
+            kl_term = aggregate(kl, mask, **agg)
+            if algorithm.kl_in == "loss":
+                total = total + algorithm.kl_coef * kl_term
+            out["learner_kl"] = kl_term.detach()
+        if algorithm.entropy_coef > 0:
+            entropy = entropy_from_logits(logits, self.temperature)
+            total = total - algorithm.entropy_coef * aggregate(entropy, mask, **agg)
+        else:
+            with torch.no_grad():
+                entropy = entropy_from_logits(logits, self.temperature)
+        (total * self.ranks.world_size).backward()
+
+        with torch.no_grad():
+            tokens = float(mask.sum().item())
+            weight = tokens / max(normalizers["num_tokens"], 1.0)
+            current = (part.tokens(batch.token_versions, device) == version) & mask.bool()
+            # Losses are normalised by global counts already: they add up as they are.
+            result = {
+                key: (float(value), 1.0 if key.startswith("loss_") else weight)
+                for key, value in out.items()
+            }
+            result["learner_entropy"] = (
+                float((entropy * mask).sum() / max(tokens, 1.0)),
+                weight,
+            )
+            # Tokens sampled with the weights being trained: generator and learner
+            # should agree on them up to numerics (NaN in the metrics if there are none).
+            mismatch = (proximal - behavior).abs()[current]
+            result["logprob_mismatch"] = (
+                mismatch.mean().item() if mismatch.numel() else 0.0,
+                float(mismatch.numel()),
+            )
+        return result
+
+    def _reduce(self, sums: dict[str, float], maxima: dict[str, float]) -> dict[str, float]:
+        """Means (and maxima) over micro-batches and ranks.
+
+        Every rank reports the same keys (the config decides them), so plain
+        tensor reductions suffice. Losses are normalised by global counts, so
+        their sum over micro-batches and ranks is the mini-batch loss; the rest
+        are weighted means.
+        """
+        keys = sorted(k for k in sums if not k.endswith("/weight"))
+        table = torch.tensor(
+            [[sums[k], sums[f"{k}/weight"]] for k in keys], dtype=torch.float64
+        ).to(self.ranks.device)
+        max_keys = sorted(maxima)
+        peaks = torch.tensor([maxima[k] for k in max_keys], dtype=torch.float64).to(
+            self.ranks.device
+        )
+        if self.ranks.world_size > 1:
+            dist.all_reduce(table)
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        out = {}
+        for key, (total, weight) in zip(keys, table.tolist(), strict=True):
+            if key.startswith("loss_"):
+                out[key] = total / self.config.learner.minibatches
+            else:
+                out[key] = total / weight if weight else float("nan")
+        return out | dict(zip(max_keys, peaks.tolist(), strict=True))

@@ -1,0 +1,88 @@
+"""One learner rank for the FSDP2 tests, started by torchrun (or directly for one rank).
+
+``python fsdp_worker.py OUT_DIR STEPS [--save-at N] [--resume CKPT] [key=value ...]``
+trains on deterministic synthetic batches (the same on every rank and in every
+run) and writes rank 0's full parameters to ``OUT_DIR/params.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from asyncrl.config import load_config
+from asyncrl.learner import checkpoint, distributed
+from asyncrl.learner.batch import TrainBatch
+from asyncrl.learner.trainer import Learner
+from asyncrl.tasks import build_tokenizer
+
+GROUP = 4
+
+
+def synthetic_batch(step: int, vocab: int, size: int = 16, width: int = 12) -> TrainBatch:
+    """Ragged sequences with a prompt of 3 tokens, random rewards, groups of four."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    lengths = torch.randint(5, width + 1, (size,), generator=generator)
+    input_ids = torch.randint(3, vocab, (size, width), generator=generator)
+    attention_mask = (torch.arange(width)[None] < lengths[:, None]).long()
+    loss_mask = torch.zeros(size, width - 1)
+    for row, length in enumerate(lengths.tolist()):
+        loss_mask[row, 2 : length - 1] = 1
+    return TrainBatch(
+        input_ids=input_ids * attention_mask,
+        attention_mask=attention_mask,
+        behavior_logprobs=-torch.rand(size, width - 1, generator=generator) * 3,
+        loss_mask=loss_mask,
+        token_versions=torch.where(loss_mask.bool(), step, -1),
+        rewards=torch.rand(size, generator=generator),
+        group_ids=torch.arange(size) // GROUP,
+        versions=torch.full((size,), step),
+        response_lengths=lengths - 3,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("steps", type=int)
+    parser.add_argument("--save-at", type=int, default=0)
+    parser.add_argument("--resume", type=Path)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    base = [
+        "model.tiny.hidden_size=32",
+        "model.tiny.intermediate_size=64",
+        "algorithm.group_size=4",
+        "algorithm.prompts_per_step=4",
+        "learner.max_tokens_per_microbatch=48",
+        "learner.lr=0.01",
+        "learner.lr_schedule=cosine",
+        "learner.warmup_steps=1",
+        f"run.total_steps={max(args.steps, 1)}",
+    ]
+    config = load_config(None, ["model.tiny.num_layers=2", *base, *args.overrides])
+    torch.set_num_threads(1)
+    ranks = distributed.init("cpu")
+    torch.manual_seed(config.run.seed)
+    learner = Learner(config, ranks)
+    if args.resume:
+        learner.load_checkpoint(args.resume)
+    vocab = len(build_tokenizer())
+    metrics = {}
+    while learner.step < args.steps:
+        metrics = learner.train_step(synthetic_batch(learner.step, vocab))
+        if learner.step == args.save_at:
+            learner.save_checkpoint(args.out / "checkpoint")
+            if ranks.is_main:
+                checkpoint.mark_complete(args.out / "checkpoint")
+    params = dict(learner.full_tensors())
+    if ranks.is_main:
+        args.out.mkdir(parents=True, exist_ok=True)
+        torch.save({"params": params, "metrics": metrics}, args.out / "params.pt")
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
