@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from asyncrl.config import ConfigError, load_config
+from asyncrl.config import ConfigError, config_warnings, load_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         for problem in error.problems:
             print(f"  {problem}", file=sys.stderr)
         return 2
+    for warning in config_warnings(config):
+        print(f"asyncrl: warning: {warning}", file=sys.stderr)
     if args.command == "validate":
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
         return 0

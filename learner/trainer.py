@@ -150,6 +150,13 @@ def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
     torch.set_num_threads(config.learner.num_threads)
     torch.manual_seed(config.run.seed)
     learner = Learner(config, ranks)
+    log.info(
+        "rank %d of %d on %s: %.1fM parameters, sharded with FSDP2",
+        ranks.rank,
+        ranks.world_size,
+        ranks.device,
+        sum(p.numel() for p in learner.model.parameters()) / 1e6,
+    )
     if resume_from is not None:
         learner.load_checkpoint(resume_from)
         log.info("resumed from %s at version %d", resume_from, learner.version)

@@ -99,3 +99,44 @@ def test_quickstart_meets_its_reward_target(tmp_path):
     first, last = mean(rewards[:3]), mean(rewards[-10:])
     assert last >= 0.8 and last >= 3 * first, (first, last)
     assert (run_dir / ".aim").is_dir()
+
+
+def test_two_learner_ranks_under_torchrun(tmp_path):
+    """learner.world_size=2: torchrun starts two FSDP2 ranks; rank 0 alone talks and logs."""
+    run_dir = tmp_path / "run"
+    result = launch(run_dir, "run.total_steps=40", "learner.world_size=2", "tracking.aim=false")
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = read_metrics(run_dir)
+    assert [r["version"] for r in records] == list(range(1, 41))
+    assert all(r["staleness_max"] <= 1 for r in records)
+    rewards = [r["reward_mean"] for r in records]
+    assert mean(rewards[-5:]) > mean(rewards[:3]), rewards  # it learns from the first steps
+    log = (run_dir / "logs" / "learner.log").read_text()
+    assert "learner-0 " in log and "learner-1 " in log  # both ranks ran, named in the log
+    assert (run_dir / "final" / "model.safetensors").exists()
+    assert processes_of(run_dir) == [], "the launcher left processes behind"
+
+
+def test_resume_continues_from_the_last_checkpoint(tmp_path):
+    """Checkpoints every 3 steps; `--resume` continues at the saved version, buffer included."""
+    run_dir = tmp_path / "run"
+    first = launch(run_dir, "run.total_steps=6", "learner.checkpoint_every=3", "tracking.aim=false")
+    assert first.returncode == 0, first.stdout + first.stderr
+    for step in (3, 6):
+        checkpoint = run_dir / "checkpoints" / f"step-{step:06d}"
+        assert (checkpoint / "COMPLETE").exists()
+        state = json.loads((checkpoint / "buffer.json").read_text())
+        assert state["cursor"] >= step * 32  # 32 prompts per step were handed out at least
+        assert json.loads((checkpoint / "trainer.json").read_text())["step"] == step
+
+    command = [
+        sys.executable, "-m", "asyncrl", "launch", "--resume", str(run_dir),
+        "run.total_steps=10", "tracking.aim=false",
+    ]  # fmt: skip
+    second = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert f"resuming from {run_dir / 'checkpoints' / 'step-000006'}" in second.stdout
+    assert [r["version"] for r in read_metrics(run_dir)] == list(range(1, 11))
+    assert "resumed from" in (run_dir / "logs" / "buffer.log").read_text()
+    assert "at version 6" in (run_dir / "logs" / "learner.log").read_text()
+    assert processes_of(run_dir) == []

@@ -2,52 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
+from buffer_samples import make_sample, make_store
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncrl.buffer.store import BufferStore, Sample
-from asyncrl.messages import TrajectoryMeta, WorkItem
-
-
-def make_store(
-    group_size: int = 2,
-    samples_per_step: int = 4,
-    max_staleness: int = 1,
-    admission_control: bool = True,
-) -> BufferStore:
-    def make_item(index: int) -> WorkItem:
-        return WorkItem(group_id=index, num_samples=group_size, prompt_ids=[1, 2], ground_truth="x")
-
-    return BufferStore(make_item, samples_per_step, max_staleness, admission_control)
-
-
-def make_sample(
-    group_id: int,
-    sample_index: int,
-    versions: list[int],
-    generator_id: str = "gen-0",
-    logprob: float = -1.0,
-) -> Sample:
-    """A finished sample whose generated tokens were made at ``versions``."""
-    n = len(versions)
-    meta = TrajectoryMeta(
-        group_id=group_id,
-        sample_index=sample_index,
-        prompt_len=2,
-        response_len=n,
-        reward=float(sample_index),
-        finish_reason="stop",
-        generator_id=generator_id,
-    )
-    return Sample(
-        meta=meta,
-        prompt_ids=np.array([1, 2], dtype=np.int32),
-        response_ids=np.arange(3, 3 + n, dtype=np.int32),
-        logprobs=np.full(n, logprob, dtype=np.float32),
-        token_versions=np.array(versions, dtype=np.int32),
-        loss_mask=np.ones(n, dtype=np.uint8),
-    )
 
 
 def complete_group(store: BufferStore, group_id: int, versions: list[int]) -> int:

@@ -357,3 +357,23 @@ def test_saved_config_loads_back_equal(tmp_path):
 
     assert config_from_dict(yaml.safe_load(path.read_text())) == config
     assert load_config(path) == config
+
+
+def test_validate_warns_on_uncorrected_off_policy_training(capsys):
+    code = main(["validate", str(QUICKSTART), "algorithm.correction=none"])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "warning: algorithm.correction=none with buffer.max_staleness=1" in err
+    main(["validate", str(QUICKSTART), "algorithm.correction=none", "buffer.max_staleness=0"])
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_learner_minibatches_cannot_exceed_the_batch():
+    with pytest.raises(ConfigError, match=r"learner\.minibatches=300 is more than the 256"):
+        load_config(QUICKSTART, ["learner.minibatches=300"])
+
+
+def test_resume_without_a_checkpoint_fails_clearly(tmp_path, capsys):
+    (tmp_path / "config.yaml").write_text(QUICKSTART.read_text())
+    assert main(["launch", "--resume", str(tmp_path)]) == 2
+    assert "has no complete checkpoint to resume from" in capsys.readouterr().err

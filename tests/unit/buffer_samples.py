@@ -1,0 +1,62 @@
+"""Stores and samples for the BufferStore tests: small groups, hand-set versions."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from asyncrl.buffer.store import BufferStore, Sample
+from asyncrl.messages import TrajectoryMeta, WorkItem
+
+TIMEOUT = 10.0
+
+
+def make_store(
+    group_size: int = 2,
+    samples_per_step: int = 4,
+    max_staleness: int = 1,
+    admission_control: bool = True,
+    **options,
+) -> BufferStore:
+    def make_item(index: int) -> WorkItem:
+        return WorkItem(group_id=index, num_samples=group_size, prompt_ids=[1, 2], ground_truth="x")
+
+    options.setdefault("heartbeat_timeout_s", TIMEOUT)
+    return BufferStore(make_item, samples_per_step, max_staleness, admission_control, **options)
+
+
+def make_sample(
+    group_id: int,
+    sample_index: int,
+    versions: list[int] | None = None,
+    generator_id: str = "gen-0",
+    reward: float | None = None,
+    finish_reason: str = "stop",
+    logprob: float = -1.0,
+) -> Sample:
+    """A finished sample whose generated tokens were made at ``versions`` (default [0])."""
+    versions = versions if versions is not None else [0]
+    n = len(versions)
+    meta = TrajectoryMeta(
+        group_id=group_id,
+        sample_index=sample_index,
+        prompt_len=2,
+        response_len=n,
+        reward=float(sample_index) if reward is None else reward,
+        finish_reason=finish_reason,
+        generator_id=generator_id,
+    )
+    return Sample(
+        meta=meta,
+        prompt_ids=np.array([1, 2], dtype=np.int32),
+        response_ids=np.arange(3, 3 + n, dtype=np.int32),
+        logprobs=np.full(n, logprob, dtype=np.float32),
+        token_versions=np.array(versions, dtype=np.int32),
+        loss_mask=np.ones(n, dtype=np.uint8),
+    )
+
+
+def group_samples(
+    store: BufferStore, group_id: int, generator_id: str = "gen-0", **fields
+) -> list[Sample]:
+    size = store.make_item(group_id).num_samples
+    return [make_sample(group_id, i, generator_id=generator_id, **fields) for i in range(size)]
