@@ -1,0 +1,63 @@
+"""The ``environment`` config section, and building environments from it.
+
+Not yet part of :class:`asyncrl.config.Config`; it is shaped to slot in as
+``environment: EnvironmentConfig | None = None``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from asyncrl.envs.base import Environment
+
+
+class EnvironmentConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    name: str | None = None
+    """`tools` for the built-in tool-calling environment, or `module:Class` /
+    `path/to/file.py:Class` for your own. Empty: single-turn, no environment."""
+    tools: list[str] = ["calculator", "python"]
+    """Tools for `name: tools`: built-in names or `module:attr` naming a Tool."""
+    max_turns: int = Field(4, ge=1)
+    """Model turns per episode."""
+    max_total_tokens: int = Field(2048, ge=1)
+    """Tokens per episode, prompt, model turns and tool output together."""
+    python_timeout_s: float = Field(5, gt=0)
+    """Wall-clock limit of one `python` tool call."""
+    python_memory_mb: int = Field(512, ge=16)
+    """Address-space limit of one `python` tool call."""
+    kwargs: dict[str, Any] = {}
+    """Extra keyword arguments for the environment's constructor (for `tools`:
+    `compute_score`, `parser`, `system_prompt`, `max_calls_per_turn`, ...)."""
+
+    @field_validator("name")
+    @classmethod
+    def _known_form(cls, value: str | None) -> str | None:
+        if value is not None and value != "tools" and ":" not in value:
+            raise ValueError("expected 'tools', 'module:Class' or 'path/to/file.py:Class'")
+        return value
+
+
+def environment_factory(config: EnvironmentConfig) -> Callable[[], Environment]:
+    """A function making a fresh environment per episode; resolves the plug-in now,
+    so a bad name fails at start-up, not at the first episode."""
+    from asyncrl.envs import load_environment
+
+    if config.name is None:
+        raise ValueError("environment.name is not set")
+    if config.name == "tools":
+        kwargs = {
+            "tools": list(config.tools),
+            "max_turns": config.max_turns,
+            "python_timeout_s": config.python_timeout_s,
+            "python_memory_mb": config.python_memory_mb,
+            **config.kwargs,
+        }
+    else:
+        kwargs = dict(config.kwargs)
+    load_environment(config.name, **kwargs)  # fail early
+    return lambda: load_environment(config.name, **kwargs)
