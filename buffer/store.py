@@ -100,8 +100,13 @@ class Sample:
 
     @cached_property
     def version(self) -> int:
-        """The oldest weight version among its generated tokens (computed once, then kept)."""
-        return int(self.token_versions.min()) if self.token_versions.size else 0
+        """The oldest weight version among its model-generated tokens (computed once, then kept).
+
+        Tool and environment tokens of a multi-turn sample carry version -1: no
+        policy made them, so they do not make a sample stale.
+        """
+        made_by_model = self.token_versions[self.token_versions >= 0]
+        return int(made_by_model.min()) if made_by_model.size else 0
 
     @property
     def nbytes(self) -> int:

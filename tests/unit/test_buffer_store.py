@@ -329,3 +329,14 @@ def test_random_operation_sequences_keep_the_buffer_invariants(
         assert store.started_samples <= store.admission_limit()
         for group in store.ready:
             assert group.complete
+
+
+def test_environment_tokens_do_not_make_a_sample_stale():
+    """Multi-turn samples: tool tokens carry version -1 and are not the sample's version."""
+    assert make_sample(0, 0, [-1, -1, 4, 5]).version == 4
+    assert make_sample(0, 0, [3, -1, 5]).version == 3
+    store = make_store(group_size=1, samples_per_step=1, max_staleness=0)
+    store.dispatch("gen-0", max_samples=1)
+    store.set_policy_version(4)
+    store.ingest([make_sample(0, 0, [4, -1, -1, 4])])
+    assert store.take_batch() is not None  # served at staleness 0, not 5
