@@ -69,6 +69,28 @@ class TaskConfig(_Section):
     shift: int = Field(1, ge=1, le=9)
 
 
+class DataConfig(_Section):
+    """Prompts from files in the verl layout (see docs/data-and-rewards.md)."""
+
+    train_files: list[str] = []
+    """Parquet or JSONL files of prompts; empty: the built-in `task`."""
+    max_prompt_tokens: int = Field(1024, ge=1)
+    """Prompts longer than this, once rendered with the chat template, are skipped (counted)."""
+    shuffle: bool = True
+    """Visit the prompts in a fresh order each epoch, seeded by `run.seed` and the epoch."""
+
+
+class RewardConfig(_Section):
+    """How samples are scored (see :mod:`asyncrl.rewards`)."""
+
+    function: str | None = None
+    """module:function or path.py:function; empty: chosen by each row's data_source."""
+    timeout_s: float = Field(10.0, gt=0)
+    """A sample whose reward takes longer scores 0, tagged `error:timeout`."""
+    workers: int = Field(1, ge=1)
+    """Scoring processes per generator replica."""
+
+
 class AlgorithmConfig(_Section):
     group_size: int = Field(8, ge=1)
     """Samples generated per prompt (one group; GRPO normalises within it)."""
@@ -201,6 +223,8 @@ class Config(_Section):
     run: RunConfig = RunConfig()
     model: ModelConfig
     task: TaskConfig = TaskConfig()
+    data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     buffer: BufferConfig = BufferConfig()
     learner: LearnerConfig = LearnerConfig()

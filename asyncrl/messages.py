@@ -67,6 +67,8 @@ class WorkItem(msgspec.Struct, forbid_unknown_fields=True):
     prompt_ids: list[int]
     ground_truth: str
     data_source: str = ""
+    extra_info: dict = msgspec.field(default_factory=dict)
+    """The row's ``extra_info``, passed to its reward function."""
 
 
 class WorkGrant(_Body, tag="work_grant"):
@@ -92,6 +94,8 @@ class TrajectoryMeta(msgspec.Struct, forbid_unknown_fields=True):
     finish_reason: str
     generator_id: str
     generate_time_s: float = 0.0
+    reward_error: str = ""
+    """Why the reward is 0 when scoring failed (``error:timeout``, ...); empty if it did not."""
 
 
 class Trajectories(_Body, tag="trajectories"):

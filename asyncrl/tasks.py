@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+if TYPE_CHECKING:  # imported lazily: reward worker processes import this module for digits_score
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from asyncrl.config import Config, TaskConfig
+    from asyncrl.config import Config, TaskConfig
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
 CHARACTERS = list("0123456789=+-*/ ")
@@ -27,6 +28,9 @@ CHARACTERS = list("0123456789=+-*/ ")
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer over digits and a few symbols, built in code."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
@@ -73,12 +77,43 @@ def digits_score(data_source: str, solution_str: str, ground_truth: str, extra_i
 
 
 def work_item_factory(config: Config):
-    """``index -> WorkItem``: prompt ``index`` of the task, tokenized, as one group."""
+    """``index -> WorkItem``: prompt ``index``, tokenized, as one group.
+
+    With ``data.train_files`` set, prompts come from those files
+    (:class:`asyncrl.data.PromptDataset`, rendered with the model's chat template);
+    otherwise from the built-in task.
+    """
     from asyncrl.messages import WorkItem
+
+    group_size = config.algorithm.group_size
+    if config.data.train_files:
+        from asyncrl.data import PromptDataset
+        from asyncrl.rewards import check_reward_sources
+
+        dataset = PromptDataset(
+            config.data.train_files,
+            prompt_tokenizer(config),
+            max_prompt_tokens=config.data.max_prompt_tokens,
+            shuffle=config.data.shuffle,
+            seed=config.run.seed,
+        )
+        check_reward_sources(config.reward.function, dataset.data_sources)
+
+        def make_row_item(index: int) -> WorkItem:
+            row = dataset[index]
+            return WorkItem(
+                index,
+                group_size,
+                row.prompt_ids,
+                row.ground_truth,
+                row.data_source,
+                extra_info=row.extra_info,
+            )
+
+        return make_row_item
 
     tokenizer = build_tokenizer()
     task = DigitsTask(config.task, config.run.seed)
-    group_size = config.algorithm.group_size
 
     def make_item(index: int) -> WorkItem:
         prompt = task.prompt(index)
@@ -88,4 +123,20 @@ def work_item_factory(config: Config):
     return make_item
 
 
-REWARD_FUNCTIONS = {DigitsTask.data_source: digits_score}
+def prompt_tokenizer(config: Config) -> PreTrainedTokenizerBase:
+    """The policy's tokenizer as :func:`asyncrl.models.build_policy` loads it (no model)."""
+    if config.model.name_or_path is None:
+        return build_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(config.model.name_or_path)
+
+
+def __getattr__(name: str):
+    # ``REWARD_FUNCTIONS`` is the registry of asyncrl.rewards (data_source -> function),
+    # looked up lazily because that module imports ``digits_score`` from this one.
+    if name == "REWARD_FUNCTIONS":
+        from asyncrl.rewards import REWARD_FUNCTIONS
+
+        return REWARD_FUNCTIONS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from concurrent.futures import Future, wait
 from pathlib import Path
 
 import numpy as np
@@ -38,11 +39,14 @@ from asyncrl.messages import (
     WorkRequest,
 )
 from asyncrl.models import build_policy
-from asyncrl.tasks import REWARD_FUNCTIONS
+from asyncrl.rewards import RewardScorer, Score
 from asyncrl.transport import RequestClient, tcp
 from asyncrl.weights import WeightClient
 
 log = logging.getLogger("asyncrl.generator")
+
+SCORE_WAIT_S = 0.005
+"""How long ``send`` waits for the scores it just asked for; later ones go with a later send."""
 
 
 class GeneratorReplica:
@@ -57,12 +61,21 @@ class GeneratorReplica:
         self.last_contact = float("-inf")
         """``time.monotonic()`` of the last request to the buffer: every one is a heartbeat."""
         self.stats = {"samples_sent": 0, "weight_swaps": 0, "weight_swap_latency_s": 0.0}
+        self.stats["reward_errors"] = 0
+        self.scorer = RewardScorer.from_config(config.reward)
+        """Scores finished samples in worker processes, off this loop (asyncrl.rewards)."""
+        self.scoring: list[tuple[Rollout, Future]] = []
+        """Finished samples waiting for their reward."""
+        self.extra_info: dict[int, list] = {}
+        """group_id -> [its WorkItem's extra_info, samples not yet scored], when not empty."""
 
     def run_loop(self) -> None:
         retry_after = 0.0
         while not self.stopping:
             retry_after = self.top_up()
             if not self.active:
+                if self.scoring:
+                    self.send([])
                 self.heartbeat()
                 time.sleep(max(retry_after, 0.01))
                 continue
@@ -70,7 +83,7 @@ class GeneratorReplica:
             self.backend.generate_chunk(self.active, self.config.generators.chunk_tokens)
             finished = [r for r in self.active if r.finished]
             self.active = [r for r in self.active if not r.finished]
-            if finished:
+            if finished or self.scoring:
                 self.send(finished)
             self.heartbeat()
 
@@ -100,6 +113,8 @@ class GeneratorReplica:
         assert isinstance(grant, WorkGrant), grant
         now = time.time()
         for item in grant.items:
+            if item.extra_info:
+                self.extra_info[item.group_id] = [item.extra_info, item.num_samples]
             for index in range(item.num_samples):
                 self.active.append(
                     Rollout(
@@ -125,20 +140,38 @@ class GeneratorReplica:
             "loaded weights v%d (%.3fs after publish)", version, self.stats["weight_swap_latency_s"]
         )
 
-    def send(self, rollouts: list[Rollout]) -> None:
-        metas, arrays = self.package(rollouts)
+    def send(self, finished: list[Rollout]) -> None:
+        """Ask for the rewards of ``finished``; send every sample whose reward is in."""
+        for r in finished:
+            text = self.backend.tokenizer.decode(r.response_ids, skip_special_tokens=True)
+            extra = self.extra_info.get(r.group_id)
+            if extra is not None:
+                extra[1] -= 1
+                if extra[1] <= 0:
+                    del self.extra_info[r.group_id]
+            future = self.scorer.submit(
+                r.data_source, text, r.ground_truth, extra[0] if extra else {}
+            )
+            self.scoring.append((r, future))
+        wait([future for _, future in self.scoring], timeout=SCORE_WAIT_S)
+        done = [future.done() for _, future in self.scoring]
+        scored = [pair for pair, ready in zip(self.scoring, done, strict=True) if ready]
+        if not scored:
+            return
+        self.scoring = [pair for pair, ready in zip(self.scoring, done, strict=True) if not ready]
+        rollouts = [r for r, _ in scored]
+        metas, arrays = self.package(rollouts, [future.result() for _, future in scored])
         ack, _ = self.request(Trajectories(metas), arrays)
         assert isinstance(ack, Ack), ack
         self.stats["samples_sent"] += len(rollouts)
 
     def package(
-        self, rollouts: list[Rollout]
+        self, rollouts: list[Rollout], scores: list[Score]
     ) -> tuple[list[TrajectoryMeta], dict[str, np.ndarray]]:
         now = time.time()
         metas = []
-        for r in rollouts:
-            text = self.backend.tokenizer.decode(r.response_ids, skip_special_tokens=True)
-            reward = REWARD_FUNCTIONS[r.data_source](r.data_source, text, r.ground_truth, None)
+        for r, (reward, error, _) in zip(rollouts, scores, strict=True):
+            self.stats["reward_errors"] += error is not None
             metas.append(
                 TrajectoryMeta(
                     r.group_id,
@@ -149,6 +182,7 @@ class GeneratorReplica:
                     r.finish_reason or "length",
                     self.generator_id,
                     now - r.started_at,
+                    reward_error=error or "",
                 )
             )
         arrays = {
@@ -183,4 +217,5 @@ def run(config: Config, run_dir: Path, replica_index: int) -> None:
     try:
         replica.run_loop()
     finally:
+        replica.scorer.close()
         context.destroy(linger=0)

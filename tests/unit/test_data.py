@@ -1,0 +1,246 @@
+"""Prompt files in the verl layout: JSONL and parquet, chat templates, the length filter,
+a deterministic order over epochs, and errors that name the file and row."""
+
+from __future__ import annotations
+
+import json
+import logging
+import string
+
+import msgspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from asyncrl.config import ConfigError, load_config
+from asyncrl.data import DataError, PromptDataset
+from asyncrl.messages import WorkGrant, WorkItem, decode, encode
+from asyncrl.rewards import RewardFunctionError
+from asyncrl.tasks import build_tokenizer, work_item_factory
+
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def chat_tokenizer() -> PreTrainedTokenizerFast:
+    """Characters of printable ASCII, one token each, with a small chat template."""
+    vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", *string.printable])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
+    )
+    tokenizer.chat_template = TEMPLATE
+    return tokenizer
+
+
+def row(question: str, answer: str = "72", source: str = "openai/gsm8k", **extra) -> dict:
+    return {
+        "data_source": source,
+        "prompt": [{"role": "user", "content": question}],
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"index": 0, **extra},
+    }
+
+
+ROWS = [row("What is 8 * 9?"), row("Add 2 and 3.", "5"), row("And 10 - 4?", "6")]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_parquet(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return chat_tokenizer()
+
+
+def test_jsonl_rows_are_rendered_with_the_chat_template(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    dataset = PromptDataset([path], tokenizer, shuffle=False)
+
+    assert len(dataset) == 3
+    first = dataset[0]
+    assert tokenizer.decode(first.prompt_ids) == "<user>What is 8 * 9?\n<assistant>"
+    assert (first.data_source, first.ground_truth) == ("openai/gsm8k", "72")
+    assert first.extra_info == {"index": 0}
+    assert first.source == f"{path}:1"
+    assert dataset[2].ground_truth == "6"
+    assert dataset.filtered_too_long == 0
+    assert dataset.data_sources == {"openai/gsm8k": 3}
+
+
+def test_parquet_reads_like_jsonl_and_files_are_concatenated(tmp_path, tokenizer):
+    from_jsonl = PromptDataset(write_jsonl(tmp_path / "a.jsonl", ROWS), tokenizer, shuffle=False)
+    from_parquet = PromptDataset(
+        str(write_parquet(tmp_path / "a.parquet", ROWS)), tokenizer, shuffle=False
+    )
+    for index in range(3):
+        a, b = from_jsonl[index], from_parquet[index]
+        assert (a.prompt_ids, a.ground_truth, a.extra_info) == (
+            b.prompt_ids,
+            b.ground_truth,
+            b.extra_info,
+        )
+
+    both = PromptDataset([tmp_path / "a.jsonl", tmp_path / "a.parquet"], tokenizer, shuffle=False)
+    assert len(both) == 6
+    assert both[3].source == f"{tmp_path / 'a.parquet'}:1"
+
+
+def test_a_multi_turn_prompt_and_a_numeric_ground_truth(tmp_path, tokenizer):
+    chat = row("hi", answer=72)
+    chat["prompt"] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+    ]
+    dataset = PromptDataset(write_jsonl(tmp_path / "chat.jsonl", [chat]), tokenizer)
+    assert tokenizer.decode(dataset[0].prompt_ids) == "<system>Be brief.\n<user>hi\n<assistant>"
+    assert dataset[0].ground_truth == "72"
+
+
+def test_prompts_longer_than_the_limit_are_filtered_and_counted(tmp_path, tokenizer, caplog):
+    rows = [row("short"), row("x" * 100), row("also short")]
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    limit = len("<user>also short\n<assistant>")
+    with caplog.at_level(logging.WARNING, logger="asyncrl.data"):
+        dataset = PromptDataset(path, tokenizer, max_prompt_tokens=limit, shuffle=False)
+    assert len(dataset) == 2
+    assert dataset.filtered_too_long == 1
+    assert "1 of 3 prompts are longer than max_prompt_tokens" in caplog.text
+    assert [dataset[i].source for i in range(2)] == [f"{path}:1", f"{path}:3"]
+
+    with pytest.raises(DataError, match=r"no prompts left.*3 longer than max_prompt_tokens=5"):
+        PromptDataset(path, tokenizer, max_prompt_tokens=5)
+
+
+def test_the_order_is_a_seeded_permutation_per_epoch(tmp_path, tokenizer):
+    rows = [row(f"question {i}", str(i)) for i in range(20)]
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+
+    def order(dataset, epoch):
+        n = len(dataset)
+        return [int(dataset[i].ground_truth) for i in range(epoch * n, (epoch + 1) * n)]
+
+    dataset = PromptDataset(path, tokenizer, seed=3)
+    again = PromptDataset(path, tokenizer, seed=3)
+    other_seed = PromptDataset(path, tokenizer, seed=4)
+    epochs = [order(dataset, epoch) for epoch in range(3)]
+    for epoch in epochs:
+        assert sorted(epoch) == list(range(20))  # every prompt once per epoch
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert order(again, 2) == epochs[2]  # random access: no state, any index
+    assert order(again, 0) == epochs[0]
+    assert order(other_seed, 0) != epochs[0]
+
+    plain = PromptDataset(path, tokenizer, shuffle=False)
+    assert order(plain, 0) == order(plain, 5) == list(range(20))
+    with pytest.raises(IndexError):
+        dataset[-1]
+
+
+@pytest.mark.parametrize(
+    "broken, message",
+    [
+        ({"prompt": None}, "missing field 'prompt'"),
+        ({"prompt": "What is 8 * 9?"}, "'prompt' must be a non-empty list"),
+        ({"prompt": [{"role": "user"}]}, r"prompt\[0\] must have string 'role' and 'content'"),
+        ({"data_source": None}, "missing field 'data_source'"),
+        ({"reward_model": {"style": "rule"}}, "missing field 'reward_model.ground_truth'"),
+        ({"reward_model": None}, "missing field 'reward_model.ground_truth'"),
+        ({"extra_info": [1, 2]}, "'extra_info' must be an object"),
+    ],
+)
+def test_a_missing_field_names_the_file_and_row(tmp_path, tokenizer, broken, message):
+    bad = {**row("second"), **broken}
+    bad = {key: value for key, value in bad.items() if value is not None}
+    path = write_jsonl(tmp_path / "train.jsonl", [row("first"), bad])
+    with pytest.raises(DataError, match=f"train.jsonl:2: {message}"):
+        PromptDataset(path, tokenizer)
+
+
+def test_file_problems_are_named(tmp_path, tokenizer):
+    with pytest.raises(DataError, match=r"nothing.jsonl: no such data file"):
+        PromptDataset(tmp_path / "nothing.jsonl", tokenizer)
+    (tmp_path / "rows.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match=r"unknown data file type '.csv'"):
+        PromptDataset(tmp_path / "rows.csv", tokenizer)
+    (tmp_path / "bad.jsonl").write_text(json.dumps(row("ok")) + "\n{not json\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON"):
+        PromptDataset(tmp_path / "bad.jsonl", tokenizer)
+    no_column = [{"prompt": r["prompt"], "data_source": r["data_source"]} for r in ROWS]
+    with pytest.raises(DataError, match=r"b.parquet:1: missing field 'reward_model"):
+        PromptDataset(write_parquet(tmp_path / "b.parquet", no_column), tokenizer)
+    with pytest.raises(DataError, match=r"no chat template"):
+        PromptDataset(write_jsonl(tmp_path / "a.jsonl", ROWS), build_tokenizer())
+
+
+# --------------------------------------------------------------------------
+# from the config to the buffer's work items
+
+
+def data_config(tmp_path, tokenizer, rows, *overrides):
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    return load_config(
+        None,
+        [
+            f"model.name_or_path={tmp_path / 'tokenizer'}",
+            f"data.train_files=[{path}]",
+            "algorithm.group_size=4",
+            *overrides,
+        ],
+    )
+
+
+def test_work_items_come_from_the_data_files(tmp_path, tokenizer):
+    config = data_config(tmp_path, tokenizer, ROWS, "data.shuffle=false")
+    make_item = work_item_factory(config)
+
+    item = make_item(4)  # epoch 1, row 2
+    assert (item.group_id, item.num_samples) == (4, 4)
+    assert tokenizer.decode(item.prompt_ids) == "<user>Add 2 and 3.\n<assistant>"
+    assert (item.ground_truth, item.data_source, item.extra_info) == (
+        "5",
+        "openai/gsm8k",
+        {"index": 0},
+    )
+    assert make_item(4) == item  # a requeued group gets the same prompt
+
+    frames = encode(WorkGrant([item], policy_version=0))
+    decoded, _ = decode([bytes(memoryview(f)) for f in frames])
+    assert decoded.items == [item]
+    assert (
+        msgspec.msgpack.decode(
+            msgspec.msgpack.encode(WorkItem(1, 2, [3], "4")), type=WorkItem
+        ).extra_info
+        == {}
+    )
+
+
+def test_rows_no_reward_function_can_score_stop_the_buffer_at_start(tmp_path, tokenizer):
+    config = data_config(tmp_path, tokenizer, [*ROWS, row("?", source="my/dataset")])
+    with pytest.raises(RewardFunctionError, match=r"'my/dataset'"):
+        work_item_factory(config)
+
+
+def test_data_config_keys(tmp_path):
+    config = load_config(None, ["model.tiny={}"])
+    assert (config.data.train_files, config.data.max_prompt_tokens, config.data.shuffle) == (
+        [],
+        1024,
+        True,
+    )
+    with pytest.raises(ConfigError, match=r"data.max_prompt_tokens"):
+        load_config(None, ["model.tiny={}", "data.max_prompt_tokens=0"])
