@@ -310,6 +310,9 @@ class BufferStore:
             group = self.in_flight[sample.meta.group_id]
             group.add(sample)
             accepted += 1
+            if sample.meta.reward_error:  # scored 0 because the reward function failed
+                self.counters["reward_errors"] += 1
+                self.counters[f"reward_{sample.meta.reward_error.replace(':', '_')}"] += 1
             if group.complete:
                 self._complete(group)
         self.counters["accepted"] += accepted
@@ -478,6 +481,12 @@ class BufferStore:
             "buffer_discarded_requeue": float(c["discarded_requeue"]),
             "buffer_evicted_frac": c["dropped_stale"] / accepted if accepted else 0.0,
             "buffer_requeued_groups": float(c["requeued_groups"]),
+            "buffer_reward_errors": float(c["reward_errors"]),
+            **{
+                f"buffer_{key}": float(value)
+                for key, value in c.items()
+                if key.startswith("reward_error_")
+            },
             "buffer_ingest_rate": self.ingest_rate,
             "buffer_cursor": float(self.cursor),
             "buffer_admission_refusals": float(c["dispatch_refused_admission"]),

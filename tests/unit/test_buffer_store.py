@@ -340,3 +340,14 @@ def test_environment_tokens_do_not_make_a_sample_stale():
     store.set_policy_version(4)
     store.ingest([make_sample(0, 0, [4, -1, -1, 4])])
     assert store.take_batch() is not None  # served at staleness 0, not 5
+
+
+def test_samples_whose_reward_function_failed_are_counted_by_tag():
+    store = make_store(group_size=2, samples_per_step=2)
+    store.dispatch("gen-0", max_samples=2)
+    failed = make_sample(0, 0, [0])
+    failed.meta.reward_error = "error:timeout"
+    store.ingest([failed, make_sample(0, 1, [0])])
+    stats = store.stats()
+    assert stats["buffer_reward_errors"] == 1.0
+    assert stats["buffer_reward_error_timeout"] == 1.0
