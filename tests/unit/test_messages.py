@@ -15,9 +15,13 @@ from asyncrl.messages import (
     ArraySpec,
     BatchRequest,
     ErrorReply,
+    TensorEntry,
     Trajectories,
     TrajectoryMeta,
-    Weights,
+    WeightsChunk,
+    WeightsChunkRequest,
+    WeightsGone,
+    WeightsManifest,
     WeightsRequest,
     WeightsUpToDate,
     WireError,
@@ -83,6 +87,20 @@ def two_samples() -> tuple[Trajectories, dict[str, np.ndarray]]:
         BatchRequest(policy_version=11),
         WeightsRequest(have_version=2),
         WeightsUpToDate(latest_version=4),
+        WeightsChunkRequest(version=4, index=2),
+        WeightsGone(version=3, latest_version=5),
+        WeightsManifest(
+            4,
+            1.7e9,
+            chunk_bytes=16,
+            total_bytes=34,
+            num_chunks=3,
+            tensors=[
+                TensorEntry("w", "float32", (2, 3), 0, 24),
+                TensorEntry("b", "bfloat16", (5,), 24, 10),
+                TensorEntry("empty", "float32", (0, 4), 34, 0),
+            ],
+        ),
         Ack(accepted=6, rejected=2),
         ErrorReply("bad_header", "Expected `int`, got `str`"),
     ],
@@ -113,11 +131,11 @@ def test_trajectories_with_two_samples_round_trip_with_all_five_arrays():
         np.testing.assert_array_equal(got, array)
 
 
-def test_weights_round_trip_a_float32_and_a_raw_bfloat16_frame():
+def test_a_weights_chunk_round_trips_a_float32_and_a_raw_bfloat16_frame():
     matrix = np.arange(6, dtype=np.float32).reshape(2, 3) / 7
     as_float = np.array([1.0, -2.5, 0.125, 3.0], dtype=np.float32)
     bf16 = (as_float.view(np.uint32) >> 16).astype(np.uint16).tobytes()
-    body = Weights(version=4, published_at=1.7e9)
+    body = WeightsChunk(version=4, index=0, crc32=123456789)
     specs = [
         ArraySpec("layer.weight", "float32", (2, 3)),
         ArraySpec("layer.bias", "bfloat16", (4,)),
@@ -136,7 +154,7 @@ def test_weights_round_trip_a_float32_and_a_raw_bfloat16_frame():
 def test_non_contiguous_arrays_are_sent_in_logical_order():
     matrix = np.arange(12, dtype=np.float32).reshape(3, 4).T
 
-    _, received = decode(over_the_wire(encode(Weights(1, 0.0), {"w": matrix})))
+    _, received = decode(over_the_wire(encode(WeightsChunk(1, 0, 0), {"w": matrix})))
 
     assert received["w"].spec.shape == (4, 3)
     np.testing.assert_array_equal(received["w"].numpy(), matrix)
@@ -243,7 +261,7 @@ def test_array_frame_missing_its_last_bytes_is_rejected_as_truncated():
 
 
 def test_array_frame_longer_than_its_shape_is_rejected_as_truncated():
-    frames = over_the_wire(encode(Weights(1, 0.0), {"w": np.zeros(3, dtype=np.float32)}))
+    frames = over_the_wire(encode(WeightsChunk(1, 0, 0), {"w": np.zeros(3, dtype=np.float32)}))
     frames[1] += b"\x00\x00\x00\x00"
 
     assert reason_of(frames) == "truncated"
@@ -283,19 +301,19 @@ def test_message_missing_a_declared_array_is_rejected_as_bad_array():
 
 
 def test_arrays_on_a_header_only_message_with_an_unsupported_dtype_are_rejected():
-    frames = encode_raw(Weights(1, 0.0), [ArraySpec("w", "complex64", (1,))], [b"\x00" * 8])
+    frames = encode_raw(WeightsChunk(1, 0, 0), [ArraySpec("w", "complex64", (1,))], [b"\x00" * 8])
 
     assert reason_of(over_the_wire(frames)) == "bad_array"
 
 
 def test_array_with_a_negative_dimension_is_rejected_as_bad_array():
-    frames = encode_raw(Weights(1, 0.0), [ArraySpec("w", "int32", (-1, -4))], [b"\x00" * 16])
+    frames = encode_raw(WeightsChunk(1, 0, 0), [ArraySpec("w", "int32", (-1, -4))], [b"\x00" * 16])
 
     assert reason_of(over_the_wire(frames)) == "bad_array"
 
 
 def test_array_whose_declared_size_overflows_int64_is_rejected_not_accepted_as_empty():
-    frames = encode_raw(Weights(1, 0.0), [ArraySpec("w", "int32", (2**32, 2**32))], [b""])
+    frames = encode_raw(WeightsChunk(1, 0, 0), [ArraySpec("w", "int32", (2**32, 2**32))], [b""])
 
     assert reason_of(over_the_wire(frames)) == "truncated"
 
@@ -361,3 +379,44 @@ def test_decoding_does_not_call_pickle(monkeypatch):
 
     assert decoded == body
     np.testing.assert_array_equal(received["token_versions"].numpy(), arrays["token_versions"])
+
+
+def manifest_header(**changes) -> bytes:
+    body = {
+        "type": "weights_manifest",
+        "version": 1,
+        "published_at": 0.0,
+        "chunk_bytes": 16,
+        "total_bytes": 34,
+        "num_chunks": 3,
+        "tensors": [["w", "float32", [2, 3], 0, 24], ["b", "bfloat16", [5], 24, 10]],
+    }
+    return header({**body, **changes})
+
+
+@pytest.mark.parametrize(
+    ("changes", "complaint"),
+    [
+        ({"tensors": [["w", "float32", [2, 3], 0, 20]]}, "tensor 'w'"),
+        ({"tensors": [["w", "float32", [2, 3], 0, 24], ["b", "bfloat16", [5], 28, 10]]}, "'b'"),
+        ({"tensors": [["w", "float32", [2, 3], 0, 24], ["w", "bfloat16", [5], 24, 10]]}, "twice"),
+        ({"tensors": [["w", "complex64", [2], 0, 16]]}, "unsupported"),
+        ({"total_bytes": 40}, "total_bytes"),
+        ({"num_chunks": 2}, "chunks"),
+        ({"chunk_bytes": 0}, "chunk_bytes"),
+    ],
+    ids=["size", "gap", "duplicate", "dtype", "total", "chunk-count", "chunk-size"],
+)
+def test_a_weights_manifest_whose_index_does_not_add_up_is_rejected(changes, complaint):
+    with pytest.raises(WireError) as caught:
+        decode([manifest_header(**changes)])
+
+    assert caught.value.reason == "bad_header"
+    assert complaint in str(caught.value)
+
+
+def test_a_consistent_weights_manifest_decodes():
+    body, _ = decode([manifest_header()])
+
+    assert isinstance(body, WeightsManifest)
+    assert [entry.name for entry in body.tensors] == ["w", "b"]
