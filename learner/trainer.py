@@ -198,7 +198,8 @@ def publish(learner: Learner, main: _MainRank | None) -> float:
         for _ in tensors:  # take part in the gathers; rank 0 keeps the tensors
             pass
     else:
-        main.publisher.publish(dict(tensors), learner.version)
+        # streamed: one parameter gathered, copied and released at a time
+        main.publisher.publish(tensors, learner.version)
     return time.perf_counter() - started
 
 

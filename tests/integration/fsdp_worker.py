@@ -11,12 +11,15 @@ import argparse
 from pathlib import Path
 
 import torch
+import zmq
 
 from asyncrl.config import load_config
 from asyncrl.learner import checkpoint, distributed
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.trainer import Learner
 from asyncrl.tasks import build_tokenizer
+from asyncrl.transport import free_port, tcp
+from asyncrl.weights import WeightClient, WeightPublisher
 
 GROUP = 4
 
@@ -41,6 +44,28 @@ def synthetic_batch(step: int, vocab: int, size: int = 16, width: int = 12) -> T
         versions=torch.full((size,), step),
         response_lengths=lengths - 3,
     )
+
+
+def published_and_fetched(learner: Learner, is_main: bool) -> dict | None:
+    """Publish the sharded policy as the trainer does (streamed from every rank), then
+    rebuild it as a generator does; rank 0 returns the rebuilt state dict."""
+    tensors = learner.full_tensors()
+    if not is_main:
+        for _ in tensors:
+            pass
+        return None
+    publisher = WeightPublisher(tcp("127.0.0.1", free_port("127.0.0.1")), chunk_bytes=4096)
+    context = zmq.Context()
+    try:
+        publisher.publish(tensors, learner.version)
+        client = WeightClient(context, publisher.endpoint)
+        version, _, state_dict = client.fetch_newer(-1)
+        client.close()
+        assert version == learner.version
+        return {name: tensor.clone() for name, tensor in state_dict.items()}
+    finally:
+        publisher.close()
+        context.destroy(linger=0)
 
 
 def main() -> None:
@@ -78,9 +103,12 @@ def main() -> None:
             if ranks.is_main:
                 checkpoint.mark_complete(args.out / "checkpoint")
     params = dict(learner.full_tensors())
+    rebuilt = published_and_fetched(learner, ranks.is_main)
     if ranks.is_main:
         args.out.mkdir(parents=True, exist_ok=True)
-        torch.save({"params": params, "metrics": metrics}, args.out / "params.pt")
+        torch.save(
+            {"params": params, "metrics": metrics, "rebuilt": rebuilt}, args.out / "params.pt"
+        )
     distributed.shutdown()
 
 
