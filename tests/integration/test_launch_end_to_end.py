@@ -41,7 +41,10 @@ def mean(values: list[float]) -> float:
 
 def test_short_run_advances_versions_respects_staleness_and_learns(tmp_path):
     run_dir = tmp_path / "run"
-    result = launch(run_dir, "run.total_steps=150", "buffer.max_staleness=1", "tracking.aim=false")
+    result = launch(
+        run_dir, "run.total_steps=150", "buffer.max_staleness=1", "learner.lr=1e-3",
+        "tracking.aim=false",
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
 
     records = read_metrics(run_dir)
@@ -104,7 +107,10 @@ def test_quickstart_meets_its_reward_target(tmp_path):
 def test_two_learner_ranks_under_torchrun(tmp_path):
     """learner.world_size=2: torchrun starts two FSDP2 ranks; rank 0 alone talks and logs."""
     run_dir = tmp_path / "run"
-    result = launch(run_dir, "run.total_steps=40", "learner.world_size=2", "tracking.aim=false")
+    result = launch(
+        run_dir, "run.total_steps=40", "learner.world_size=2", "learner.lr=1e-3",
+        "tracking.aim=false",
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     records = read_metrics(run_dir)
     assert [r["version"] for r in records] == list(range(1, 41))

@@ -35,7 +35,7 @@ def test_quickstart_yaml_loads_with_the_values_it_sets():
 
     assert isinstance(config, Config)
     assert config.run.name == "quickstart"
-    assert config.run.total_steps == 400
+    assert config.run.total_steps == 600
     assert config.model.name_or_path is None
     assert config.model.tiny is not None
     assert config.model.tiny.hidden_size == 64
