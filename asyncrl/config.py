@@ -193,7 +193,8 @@ class LearnerConfig(_Section):
 
 class GeneratorsConfig(_Section):
     replicas: int = Field(2, ge=1)
-    backend: Literal["hf"] = "hf"
+    backend: Literal["hf", "vllm"] = "hf"
+    """`hf`: transformers `generate` (the default); `vllm`: vLLM's engine (extra `vllm[-cpu]`)."""
     chunk_tokens: int = Field(4, ge=1)
     """Tokens generated between checks for newer weights (partial rollouts)."""
     max_new_tokens: int = Field(8, ge=1)
@@ -201,6 +202,16 @@ class GeneratorsConfig(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     """0 disables top-k."""
+    stop: list[str] = []
+    """Stop strings: a sample ends (finish reason `stop`) with the token that completes one."""
+    vllm_kv_cache_gb: float = Field(1.0, gt=0)
+    """vLLM: KV cache memory per replica, in GiB (CPU or GPU memory)."""
+    vllm_enforce_eager: bool = True
+    """vLLM: skip CUDA graphs and torch.compile (starts fast; turn off for GPU throughput)."""
+    vllm_prefix_caching: bool = True
+    """vLLM: reuse the KV of shared prefixes within one weight version (reset on every load)."""
+    vllm_in_process: bool = True
+    """vLLM: run the engine core in the generator process (no IPC or idle polling; best on CPU)."""
     max_active_samples: int = Field(64, ge=1)
     """Sequences one replica generates together."""
     num_threads: int = Field(1, ge=1)

@@ -10,44 +10,62 @@ computed with older weights is ever reused.
 Log-probs come from ``generate``'s processed scores: temperature, top-k and
 top-p are applied before the log-softmax, so with top-k/top-p on, the record
 is that of the truncated distribution the token was really drawn from.
+
+Within a chunk, ``generate`` runs the whole batch (left-padded) with its KV
+cache, one forward per token after the prefill. Stop strings are matched on the
+decoded response (:class:`~asyncrl.generators.backend.StopStrings`); the
+sequence ends at the token that completes one and what ``generate`` sampled
+after it in the same chunk is dropped, log-probs with it. ``abort`` from another
+thread ends the chosen rows at the next token (a stopping criterion).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import threading
+import time
+from collections.abc import Iterable, Mapping
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from asyncrl.config import GeneratorsConfig
+from asyncrl.generators.backend import Rollout, StopStrings, append_tokens, check_state_dict
+
+__all__ = ["HFBackend", "Rollout"]  # Rollout lives in asyncrl.generators.backend
 
 
-@dataclass
-class Rollout:
-    """One sample in progress: a prompt and the response generated so far."""
+class _AbortRows(StoppingCriteria):
+    """Ends the rows whose rollouts were aborted; remembers how many tokens each had."""
 
-    group_id: int
-    sample_index: int
-    prompt_ids: list[int]
-    ground_truth: str
-    data_source: str = ""
-    response_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    token_versions: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    started_at: float = 0.0
+    def __init__(self, backend: HFBackend, rows: list[Rollout], prefix_width: int):
+        self.backend = backend
+        self.rows = rows
+        self.prefix_width = prefix_width
+        self.kept: dict[int, int] = {}  # row -> new tokens it keeps
 
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        aborted = self.backend._aborted
+        if aborted:
+            for row, rollout in enumerate(self.rows):
+                if id(rollout) in aborted:
+                    done[row] = True
+                    self.kept.setdefault(row, input_ids.shape[1] - self.prefix_width)
+        return done
 
 
 class HFBackend:
+    """The transformers engine: ``generate`` on the policy module held in this process."""
+
     def __init__(self, model: torch.nn.Module, tokenizer, sampling: GeneratorsConfig):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.version = 0
+        self.last_load_s = 0.0
+        self._lock = threading.Lock()
+        self._in_chunk: set[int] = set()  # ids of the rollouts the running chunk generates
+        self._aborted: frozenset[int] = frozenset()
         # generate() fills unset fields from the model's own generation defaults
         # (a Hub model's top_k, repetition_penalty, ...): sample only from what
         # the config says, or the recorded log-probs would not be the learner's.
@@ -57,18 +75,28 @@ class HFBackend:
             pad_token_id=tokenizer.pad_token_id,
         )
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Replace every parameter; a missing or extra tensor is an error, checked first."""
-        expected = set(self.model.state_dict())
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Replace every parameter; a missing or extra tensor is an error, checked first.
+
+        No cache outlives a chunk here (every chunk re-encodes its prefix), so
+        nothing computed with the old weights can be reused after this.
+        """
+        start = time.perf_counter()
+        optional = set()
         if getattr(self.model.config, "tie_word_embeddings", False):
-            expected.discard("lm_head.weight")  # tied to the embedding, may be omitted
-        missing = expected - set(state_dict)
-        extra = set(state_dict) - set(self.model.state_dict())
-        if missing or extra:
-            problem = f"missing {sorted(missing)}, extra {sorted(extra)}"
-            raise ValueError(f"weights v{version} do not fit the model: {problem}")
-        self.model.load_state_dict(state_dict, strict=False)
+            optional.add("lm_head.weight")  # tied to the embedding, may be omitted
+        check_state_dict(set(self.model.state_dict()), optional, state_dict, version)
+        self.model.load_state_dict(dict(state_dict), strict=False)
         self.version = version
+        self.last_load_s = time.perf_counter() - start
+
+    def abort(self, rollouts: Iterable[Rollout]) -> None:
+        """End ``rollouts`` at the next token of the running chunk (any thread); see Backend."""
+        with self._lock:
+            self._aborted = self._aborted | ({id(r) for r in rollouts} & self._in_chunk)
+
+    def close(self) -> None:
+        """Nothing to release: the model is an ordinary module of this process."""
 
     @torch.no_grad()
     def generate_chunk(self, rollouts: list[Rollout], max_tokens: int) -> None:
@@ -79,28 +107,34 @@ class HFBackend:
         budget = self.sampling.max_new_tokens
         steps = min(max_tokens, max(budget - len(r.response_ids) for r in active))
         input_ids, attention_mask = self._left_pad([r.prompt_ids + r.response_ids for r in active])
-        output = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            generation_config=self._generation_config(steps),
-        )
+        aborts = _AbortRows(self, active, input_ids.shape[1])
+        with self._lock:
+            self._in_chunk = {id(r) for r in active}
+        try:
+            output = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=self._generation_config(steps),
+                stopping_criteria=StoppingCriteriaList([aborts]),
+            )
+        finally:
+            with self._lock:
+                self._in_chunk, self._aborted = set(), frozenset()
         new_tokens = output.sequences[:, input_ids.shape[1] :]  # [B, steps']
         scores = torch.stack(output.scores, dim=1).float()  # [B, steps', V]
         logprobs = scores.log_softmax(-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
-        eos = self.tokenizer.eos_token_id
+        stop = StopStrings(self.tokenizer, self.sampling.stop)
         for row, rollout in enumerate(active):
-            for token, logprob in zip(
-                new_tokens[row].tolist(), logprobs[row].tolist(), strict=True
-            ):
-                rollout.response_ids.append(token)
-                rollout.logprobs.append(logprob)
-                rollout.token_versions.append(self.version)
-                if token == eos:
-                    rollout.finish_reason = "stop"
-                    break
-                if len(rollout.response_ids) >= budget:
-                    rollout.finish_reason = "length"
-                    break
+            kept = aborts.kept.get(row, new_tokens.shape[1])
+            append_tokens(
+                rollout,
+                new_tokens[row, :kept].tolist(),
+                logprobs[row, :kept].tolist(),
+                self.version,
+                eos_token_id=self.tokenizer.eos_token_id,
+                max_new_tokens=budget,
+                stop=stop,
+            )
 
     def _generation_config(self, steps: int) -> GenerationConfig:
         return GenerationConfig(
@@ -109,6 +143,7 @@ class HFBackend:
             temperature=self.sampling.temperature,
             top_p=self.sampling.top_p,
             top_k=self.sampling.top_k,  # 0 is off
+            use_cache=True,  # one forward per new token after the prefill
             output_scores=True,
             return_dict_in_generate=True,
             eos_token_id=self.tokenizer.eos_token_id,

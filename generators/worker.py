@@ -29,7 +29,7 @@ import torch
 import zmq
 
 from asyncrl.config import Config
-from asyncrl.generators.hf_backend import HFBackend, Rollout
+from asyncrl.generators.backend import Backend, Rollout, build_backend
 from asyncrl.messages import (
     Ack,
     Heartbeat,
@@ -50,7 +50,7 @@ SCORE_WAIT_S = 0.005
 
 
 class GeneratorReplica:
-    def __init__(self, config: Config, generator_id: str, backend: HFBackend, context: zmq.Context):
+    def __init__(self, config: Config, generator_id: str, backend: Backend, context: zmq.Context):
         self.config = config
         self.generator_id = generator_id
         self.backend = backend
@@ -61,6 +61,7 @@ class GeneratorReplica:
         self.last_contact = float("-inf")
         """``time.monotonic()`` of the last request to the buffer: every one is a heartbeat."""
         self.stats = {"samples_sent": 0, "weight_swaps": 0, "weight_swap_latency_s": 0.0}
+        self.stats["weight_load_s"] = 0.0
         self.stats["reward_errors"] = 0
         self.scorer = RewardScorer.from_config(config.reward)
         """Scores finished samples in worker processes, off this loop (asyncrl.rewards)."""
@@ -136,8 +137,12 @@ class GeneratorReplica:
         self.backend.load_weights(state_dict, version)
         self.stats["weight_swaps"] += 1
         self.stats["weight_swap_latency_s"] = time.time() - published_at
+        self.stats["weight_load_s"] = self.backend.last_load_s
         log.info(
-            "loaded weights v%d (%.3fs after publish)", version, self.stats["weight_swap_latency_s"]
+            "loaded weights v%d (%.3fs after publish; loading into the engine took %.3fs)",
+            version,
+            self.stats["weight_swap_latency_s"],
+            self.backend.last_load_s,
         )
 
     def send(self, finished: list[Rollout]) -> None:
@@ -205,9 +210,10 @@ def run(config: Config, run_dir: Path, replica_index: int) -> None:
     model, tokenizer = build_policy(config.model, config.run.seed)
     torch.manual_seed(seed)
     context = zmq.Context()
-    replica = GeneratorReplica(
-        config, f"gen-{replica_index}", HFBackend(model, tokenizer, config.generators), context
-    )
+    # the vLLM backend writes the model to this replica's directory and loads it from there
+    work_dir = run_dir / f"generator-{replica_index}"
+    backend = build_backend(config, model, tokenizer, work_dir, seed)
+    replica = GeneratorReplica(config, f"gen-{replica_index}", backend, context)
 
     def stop(*_):
         replica.stopping = True
@@ -218,4 +224,5 @@ def run(config: Config, run_dir: Path, replica_index: int) -> None:
         replica.run_loop()
     finally:
         replica.scorer.close()
+        backend.close()
         context.destroy(linger=0)

