@@ -76,6 +76,8 @@ class BufferService:
         self.pending_batch: bytes | None = None
         """Identity of the learner waiting for a batch, if any."""
         self.stopping = asyncio.Event()
+        self.generator_stats: dict[str, dict[str, float]] = {}
+        """Each generator's latest counters (weight swaps, latency, reward errors)."""
 
     async def serve_loop(self) -> None:
         self.socket.bind(self.endpoint)
@@ -117,9 +119,11 @@ class BufferService:
                 items = self.store.dispatch(generator_id, max_samples, now)
                 retry = 0.0 if items else RETRY_AFTER_S
                 await self._reply(identity, WorkGrant(items, self.store.policy_version, retry))
-            case Trajectories(samples=metas):
+            case Trajectories(samples=metas, stats=generator_stats):
                 samples = split_samples(metas, {name: a.numpy() for name, a in arrays.items()})
                 accepted = self.store.ingest(samples, now)
+                if metas and generator_stats:
+                    self.generator_stats[metas[0].generator_id] = generator_stats
                 await self._reply(identity, Ack(accepted, len(samples) - accepted))
                 await self._serve_pending()
             case Heartbeat(generator_id=generator_id):
@@ -164,6 +168,7 @@ class BufferService:
         stats = self.store.stats(time.monotonic()) | {
             f"buffer_rejected_{k}": float(v) for k, v in self.rejected.items()
         }
+        stats |= generators_summary(self.generator_stats)
         metas, arrays = join_samples(batch)
         await self._reply(self.pending_batch, Trajectories(metas, stats), arrays)
         self.pending_batch = None
@@ -174,6 +179,18 @@ class BufferService:
         except zmq.ZMQError as error:  # the peer went away; its work is not lost here
             self.rejected["unroutable_reply"] += 1
             log.warning("could not reply to a peer: %s", error)
+
+
+def generators_summary(per_generator: dict[str, dict[str, float]]) -> dict[str, float]:
+    """``generators_<key>``: the mean over generators of each latest counter (latencies),
+    and ``generators_<key>_total`` the sum (counts such as swaps and reward errors)."""
+    summary: dict[str, float] = {}
+    keys = sorted({key for stats in per_generator.values() for key in stats})
+    for key in keys:
+        values = [stats[key] for stats in per_generator.values() if key in stats]
+        summary[f"generators_{key}"] = sum(values) / len(values)
+        summary[f"generators_{key}_total"] = float(sum(values))
+    return summary
 
 
 # --------------------------------------------------------------------------

@@ -166,7 +166,9 @@ class GeneratorReplica:
         self.scoring = [pair for pair, ready in zip(self.scoring, done, strict=True) if not ready]
         rollouts = [r for r, _ in scored]
         metas, arrays = self.package(rollouts, [future.result() for _, future in scored])
-        ack, _ = self.request(Trajectories(metas), arrays)
+        # the replica's own counters ride along, so the run's metrics show them
+        stats = {key: float(value) for key, value in self.stats.items()}
+        ack, _ = self.request(Trajectories(metas, stats), arrays)
         assert isinstance(ack, Ack), ack
         self.stats["samples_sent"] += len(rollouts)
 

@@ -55,6 +55,10 @@ def test_short_run_advances_versions_respects_staleness_and_learns(tmp_path):
     assert mean(rewards[-10:]) > 2 * mean(rewards[:3]) and mean(rewards[-10:]) > 0.2, rewards
     # Both generators produced versions past the first: weights really reached them.
     assert max(r["staleness_mean"] for r in records) > 0
+    # ... and their own counters reach the metrics through the buffer
+    assert records[-1]["generators_weight_swaps_total"] >= 100
+    assert 0 < records[-1]["generators_weight_swap_latency_s"] < 30
+    assert records[-1]["generators_reward_errors_total"] == 0
     assert (run_dir / "config.yaml").exists() and (run_dir / "final" / "config.json").exists()
     assert f"run dir: {run_dir}" in result.stdout
     assert "step  150/150" in result.stdout

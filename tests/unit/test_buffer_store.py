@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from buffer_samples import make_sample, make_store
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -351,3 +352,17 @@ def test_samples_whose_reward_function_failed_are_counted_by_tag():
     stats = store.stats()
     assert stats["buffer_reward_errors"] == 1.0
     assert stats["buffer_reward_error_timeout"] == 1.0
+
+
+def test_generator_counters_are_averaged_and_summed_over_generators():
+    from asyncrl.buffer.service import generators_summary
+
+    summary = generators_summary(
+        {
+            "gen-0": {"weight_swap_latency_s": 0.2, "weight_swaps": 3.0},
+            "gen-1": {"weight_swaps": 5.0},
+        }
+    )
+    assert summary["generators_weight_swap_latency_s"] == pytest.approx(0.2)
+    assert summary["generators_weight_swaps"] == 4.0
+    assert summary["generators_weight_swaps_total"] == 8.0
