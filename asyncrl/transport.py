@@ -28,9 +28,11 @@ def tcp(host: str, port: int) -> str:
 
 
 def client_socket(context: zmq.Context, endpoint: str, timeout_s: float = 60.0) -> zmq.Socket:
+    """A connected DEALER whose sends and receives give up after ``timeout_s``."""
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
     sock.connect(endpoint)
     return sock
 

@@ -69,7 +69,7 @@ from asyncrl.messages import (
     decode,
     encode,
 )
-from asyncrl.transport import free_port, tcp
+from asyncrl.transport import client_socket, free_port, tcp
 
 REPO = Path(__file__).resolve().parents[1]
 GROUP_SIZE = 8
@@ -151,21 +151,12 @@ class Peer:
     def __init__(self, context: zmq.Context, endpoint: str, generator: str, grants: bool):
         self.generator = generator
         self.grants = grants
-        self.data = self._socket(context, endpoint)
-        self.work = self._socket(context, endpoint) if grants else None
+        self.data = client_socket(context, endpoint, REPLY_TIMEOUT_MS / 1000)
+        self.work = client_socket(context, endpoint, REPLY_TIMEOUT_MS / 1000) if grants else None
         self.pending_grants = 0
         self.next_fake_group = 0
         self.accepted = 0
         self.rejected = 0
-
-    @staticmethod
-    def _socket(context: zmq.Context, endpoint: str) -> zmq.Socket:
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDTIMEO, REPLY_TIMEOUT_MS)
-        sock.setsockopt(zmq.RCVTIMEO, REPLY_TIMEOUT_MS)
-        sock.connect(endpoint)
-        return sock
 
     def ask_work(self) -> None:
         if self.grants:
@@ -276,7 +267,7 @@ def stream(
 
 class Learner:
     def __init__(self, context: zmq.Context, endpoint: str):
-        self.sock = Peer._socket(context, endpoint)
+        self.sock = client_socket(context, endpoint, REPLY_TIMEOUT_MS / 1000)
         self.taken = 0
         """Samples received in batches so far."""
 

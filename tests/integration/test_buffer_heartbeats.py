@@ -24,12 +24,13 @@ from asyncrl.messages import (
     decode,
     encode,
 )
-from asyncrl.transport import free_port
+from asyncrl.transport import client_socket, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 REPLY_TIMEOUT_MS = 5000
+REPLY_TIMEOUT_S = REPLY_TIMEOUT_MS / 1000
 GROUP_SIZE = 4
 BATCH = 2 * GROUP_SIZE
 TIMEOUT_S = 0.5
@@ -71,15 +72,6 @@ def context():
     context = zmq.Context()
     yield context
     context.destroy(linger=0)
-
-
-def connect(context: zmq.Context, endpoint: str) -> zmq.Socket:
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDTIMEO, REPLY_TIMEOUT_MS)
-    sock.setsockopt(zmq.RCVTIMEO, REPLY_TIMEOUT_MS)
-    sock.connect(endpoint)
-    return sock
 
 
 def exchange(sock: zmq.Socket, body, arrays=None):
@@ -125,9 +117,9 @@ def wait_until(condition, while_waiting, timeout_s: float = 10.0) -> None:
 def test_a_silent_generator_s_groups_go_to_another_and_its_late_samples_are_duplicates(
     buffer, context
 ):
-    a = connect(context, buffer.endpoint)
-    b = connect(context, buffer.endpoint)
-    learner = connect(context, buffer.endpoint)
+    a = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+    b = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+    learner = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
 
     grant = exchange(a, WorkRequest("gen-a", max_samples=BATCH))
     assert [item.group_id for item in grant.items] == [0, 1]
@@ -171,7 +163,7 @@ def test_heartbeats_keep_a_busy_generator_s_groups(context):
     # a longer timeout than elsewhere: a 0.1s heartbeat must not miss it on a loaded machine
     timeout_s = 1.0
     with running_buffer(make_config(f"buffer.heartbeat_timeout_s={timeout_s}")) as buffer:
-        a = connect(context, buffer.endpoint)
+        a = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
         grant = exchange(a, WorkRequest("gen-a", max_samples=BATCH))
         assert len(grant.items) == 2
 
@@ -201,8 +193,8 @@ def test_the_replica_loop_s_heartbeat_reaches_the_buffer_at_most_once_per_interv
 def test_back_pressure_refuses_work_with_a_retry_hint_while_a_batch_is_still_served(context):
     config = make_config("buffer.max_held_samples=8", "buffer.max_staleness=3")
     with running_buffer(config) as buffer:
-        generator = connect(context, buffer.endpoint)
-        learner = connect(context, buffer.endpoint)
+        generator = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        learner = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
         grant = exchange(generator, WorkRequest("gen-a", max_samples=BATCH))
         for item in grant.items:
             assert send_group(generator, item.group_id, "gen-a") == Ack(accepted=GROUP_SIZE)

@@ -39,7 +39,7 @@ from asyncrl.messages import (
     decode,
     encode,
 )
-from asyncrl.transport import free_port, tcp
+from asyncrl.transport import client_socket, free_port, tcp
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -49,21 +49,13 @@ BATCH = 2 * GROUP_SIZE  # samples_per_step: two groups
 TIMEOUT_S = 1.0
 HEARTBEAT_S = 0.2
 REPLY_TIMEOUT_MS = 20_000  # the first request also waits for the buffer process to start
+REPLY_TIMEOUT_S = REPLY_TIMEOUT_MS / 1000
 EVENT_TIMEOUT_S = 20.0
 SPAWN = multiprocessing.get_context("spawn")
 
 
 # --------------------------------------------------------------------------
 # client processes (module level: spawn imports this module in the child)
-
-
-def connect(context: zmq.Context, endpoint: str) -> zmq.Socket:
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDTIMEO, REPLY_TIMEOUT_MS)
-    sock.setsockopt(zmq.RCVTIMEO, REPLY_TIMEOUT_MS)
-    sock.connect(endpoint)
-    return sock
 
 
 def exchange(sock: zmq.Socket, body, arrays=None):
@@ -106,7 +98,7 @@ def stalling_generator(endpoint: str, generator_id: str, conn: Connection) -> No
     On ``"send_rest"`` it delivers the rest of its work late and reports the acks.
     """
     context = zmq.Context()
-    sock = connect(context, endpoint)
+    sock = client_socket(context, endpoint, REPLY_TIMEOUT_S)
     grant = exchange(sock, WorkRequest(generator_id, max_samples=BATCH))
     assert isinstance(grant, WorkGrant), grant
     groups = [item.group_id for item in grant.items]
@@ -130,7 +122,7 @@ def steady_generator(endpoint: str, generator_id: str, conn: Connection, groups:
     """Ask for work as a replica does (waiting ``retry_after_s`` when refused) and finish every
     group it is given at once, until it has finished ``groups`` groups."""
     context = zmq.Context()
-    sock = connect(context, endpoint)
+    sock = client_socket(context, endpoint, REPLY_TIMEOUT_S)
     finished = 0
     while finished < groups:
         grant = exchange(sock, WorkRequest(generator_id, max_samples=BATCH))
@@ -150,7 +142,7 @@ def fast_sender(endpoint: str, generator_id: str, conn: Connection) -> None:
     """Ask for work again and again and send each group as soon as it is granted; report
     every grant, refusal and ack, until the test says ``"stop"``."""
     context = zmq.Context()
-    sock = connect(context, endpoint)
+    sock = client_socket(context, endpoint, REPLY_TIMEOUT_S)
     while not conn.poll(0):
         grant = exchange(sock, WorkRequest(generator_id, max_samples=BATCH))
         assert isinstance(grant, WorkGrant), grant
@@ -197,7 +189,7 @@ class Run:
         self.supervisor = Supervisor(config, self.run_dir)
         self.clients: list[multiprocessing.Process] = []
         self.context = zmq.Context()
-        self.learner = connect(self.context, self.endpoint)
+        self.learner = client_socket(self.context, self.endpoint, REPLY_TIMEOUT_S)
 
     def start_client(self, target: Callable, generator_id: str, *args) -> tuple:
         ours, theirs = SPAWN.Pipe()

@@ -26,7 +26,7 @@ from asyncrl.messages import (
     encode,
     encode_raw,
 )
-from asyncrl.transport import free_port
+from asyncrl.transport import client_socket, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,11 +53,7 @@ def buffer():
 @pytest.fixture
 def client(buffer):
     context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDTIMEO, REPLY_TIMEOUT_MS)
-    sock.setsockopt(zmq.RCVTIMEO, REPLY_TIMEOUT_MS)
-    sock.connect(buffer.endpoint)
+    sock = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_MS / 1000)
     yield sock
     sock.close(linger=0)
     context.term()
@@ -175,10 +171,7 @@ def test_trajectories_for_a_dispatched_group_are_accepted(buffer, client):
 
 
 def test_a_waiting_learner_gets_its_batch_once_enough_groups_arrive(buffer, client):
-    learner = client.context.socket(zmq.DEALER)
-    learner.setsockopt(zmq.LINGER, 0)
-    learner.setsockopt(zmq.RCVTIMEO, REPLY_TIMEOUT_MS)
-    learner.connect(buffer.endpoint)
+    learner = client_socket(client.context, buffer.endpoint, REPLY_TIMEOUT_MS / 1000)
     try:
         learner.send_multipart(encode(BatchRequest(policy_version=0)))
         grant = assert_still_grants_work(client)
