@@ -166,7 +166,7 @@ def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
         publish(learner, main)
         while learner.step < config.run.total_steps:
             waited = time.perf_counter()
-            batch, buffer_stats = main.next_batch(learner.version) if main else (None, {})
+            batch, buffer_stats = main.buffer.next_batch(learner.version) if main else (None, {})
             batch = distributed.broadcast_batch(batch, ranks)
             wait_s = time.perf_counter() - waited
 
@@ -234,9 +234,6 @@ class _MainRank:
         self.wait_total = 0.0
         self.started = time.perf_counter()
         self.first_step = learner.step
-
-    def next_batch(self, version: int) -> tuple[TrainBatch, dict[str, float]]:
-        return self.buffer.next_batch(version)
 
     def log(
         self,
