@@ -12,6 +12,7 @@ This module imports no torch, so ``asyncrl --help`` and validation stay fast.
 from __future__ import annotations
 
 import difflib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -215,6 +216,65 @@ class GeneratorsConfig(_Section):
     max_active_samples: int = Field(64, ge=1)
     """Sequences one replica generates together."""
     num_threads: int = Field(1, ge=1)
+    num_cpus: float = Field(1.0, ge=0.0)
+    """CPUs each replica asks for (Ray resources)."""
+    num_gpus: float = Field(0.0, ge=0.0)
+    """GPUs each replica asks for (Ray resources; fractions share a GPU)."""
+    pools: list[PoolConfig] = []
+    """Named pools of replicas, each scaled on its own; empty: one pool, `default`,
+    of `replicas` replicas with the settings above."""
+
+    @model_validator(mode="after")
+    def _pool_names_unique(self) -> GeneratorsConfig:
+        names = [pool.name for pool in self.pools]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"generators.pools: duplicate pool name(s) {duplicates}")
+        return self
+
+    def resolved_pools(self) -> list[Pool]:
+        """Every pool with its effective settings: the section's, then the pool's overrides."""
+        if not self.pools:
+            return [Pool("default", self.replicas, self.model_copy(update={"pools": []}))]
+        resolved = []
+        for pool in self.pools:
+            overrides = pool.model_dump(exclude={"name", "replicas"}, exclude_none=True)
+            settings = self.model_copy(update={**overrides, "pools": [], "replicas": pool.replicas})
+            resolved.append(Pool(pool.name, pool.replicas, settings))
+        return resolved
+
+
+class PoolConfig(_Section):
+    """One pool of generator replicas; unset fields inherit from `generators`.
+
+    The sampling temperature is the run's (`generators.temperature`): the learner
+    scores every sample at that temperature, so a pool cannot change it."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,32}$")
+    replicas: int = Field(1, ge=0)
+    backend: Literal["hf", "vllm"] | None = None
+    chunk_tokens: int | None = Field(None, ge=1)
+    max_new_tokens: int | None = Field(None, ge=1)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    stop: list[str] | None = None
+    max_active_samples: int | None = Field(None, ge=1)
+    num_threads: int | None = Field(None, ge=1)
+    num_cpus: float | None = Field(None, ge=0.0)
+    num_gpus: float | None = Field(None, ge=0.0)
+    vllm_kv_cache_gb: float | None = Field(None, gt=0)
+    vllm_enforce_eager: bool | None = None
+    vllm_prefix_caching: bool | None = None
+    vllm_in_process: bool | None = None
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A pool as the launcher starts it: name, replica count, effective settings."""
+
+    name: str
+    replicas: int
+    settings: GeneratorsConfig
 
 
 class TrackingConfig(_Section):

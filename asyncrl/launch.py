@@ -105,8 +105,14 @@ class Supervisor:
         resume = ("--resume-from", str(resume_from)) if resume_from else ()
         self.start("buffer", "buffer", *resume)
         self.start("learner", "learner", *resume, ranks=self.config.learner.world_size)
-        for index in range(self.config.generators.replicas):
-            self.start(f"generator-{index}", "generator", "--index", str(index))
+        for pool in self.config.generators.resolved_pools():
+            for index in range(pool.replicas):
+                name = (
+                    f"generator-{index}"
+                    if pool.name == "default"
+                    else f"generator-{pool.name}-{index}"
+                )
+                self.start(name, "generator", "--index", str(index), "--pool", pool.name)
 
     def failure(self) -> str | None:
         """A message naming the first process that exited when it should not have."""

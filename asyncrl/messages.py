@@ -116,6 +116,8 @@ class Trajectories(_Body, tag="trajectories"):
     }
     samples: list[TrajectoryMeta]
     stats: dict[str, float] = {}
+    pool: str = ""
+    """The sending generator's pool, so the buffer can report ``stats`` per pool."""
 
 
 class Heartbeat(_Body, tag="heartbeat"):

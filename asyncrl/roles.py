@@ -23,11 +23,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("role", choices=ROLES)
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--index", type=int, default=0, help="replica index (generators)")
+    parser.add_argument("--pool", default="default", help="generator pool (generators)")
+    parser.add_argument(
+        "--restarts", type=int, default=0, help="times this replica was restarted (generators)"
+    )
     parser.add_argument(
         "--resume-from", type=Path, help="checkpoint directory to continue from (buffer, learner)"
     )
     args = parser.parse_args(argv)
-    name = args.role if args.role != "generator" else f"generator-{args.index}"
+    name = args.role
+    if args.role == "generator":
+        pool = "" if args.pool == "default" else f"{args.pool}-"
+        name = f"generator-{pool}{args.index}"
     if args.role == "learner" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         name = f"learner-{os.environ['RANK']}"
     logging.basicConfig(
@@ -46,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         from asyncrl.generators.worker import run
 
-        run(config, args.run_dir, args.index)
+        run(config, args.run_dir, args.index, pool=args.pool, restarts=args.restarts)
 
 
 if __name__ == "__main__":

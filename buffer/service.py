@@ -77,6 +77,7 @@ class BufferService:
         """Identity of the learner waiting for a batch, if any."""
         self.stopping = asyncio.Event()
         self.generator_stats: dict[str, dict[str, float]] = {}
+        self.generator_pools: dict[str, str] = {}
         """Each generator's latest counters (weight swaps, latency, reward errors)."""
 
     async def serve_loop(self) -> None:
@@ -119,11 +120,12 @@ class BufferService:
                 items = self.store.dispatch(generator_id, max_samples, now)
                 retry = 0.0 if items else RETRY_AFTER_S
                 await self._reply(identity, WorkGrant(items, self.store.policy_version, retry))
-            case Trajectories(samples=metas, stats=generator_stats):
+            case Trajectories(samples=metas, stats=generator_stats, pool=pool):
                 samples = split_samples(metas, {name: a.numpy() for name, a in arrays.items()})
                 accepted = self.store.ingest(samples, now)
                 if metas and generator_stats:
                     self.generator_stats[metas[0].generator_id] = generator_stats
+                    self.generator_pools[metas[0].generator_id] = pool or "default"
                 await self._reply(identity, Ack(accepted, len(samples) - accepted))
                 await self._serve_pending()
             case Heartbeat(generator_id=generator_id):
@@ -169,6 +171,7 @@ class BufferService:
             f"buffer_rejected_{k}": float(v) for k, v in self.rejected.items()
         }
         stats |= generators_summary(self.generator_stats)
+        stats |= pools_summary(self.generator_stats, self.generator_pools)
         metas, arrays = join_samples(batch)
         await self._reply(self.pending_batch, Trajectories(metas, stats), arrays)
         self.pending_batch = None
@@ -190,6 +193,21 @@ def generators_summary(per_generator: dict[str, dict[str, float]]) -> dict[str, 
         values = [stats[key] for stats in per_generator.values() if key in stats]
         summary[f"generators_{key}"] = sum(values) / len(values)
         summary[f"generators_{key}_total"] = float(sum(values))
+    return summary
+
+
+def pools_summary(
+    per_generator: dict[str, dict[str, float]], pools: dict[str, str]
+) -> dict[str, float]:
+    """``pool_<name>_<key>_total``: each counter summed over the pool's generators, and
+    ``pool_<name>_replicas``: how many of them have reported (restarted ones included)."""
+    summary: dict[str, float] = {}
+    for generator, stats in per_generator.items():
+        pool = pools.get(generator, "default")
+        summary[f"pool_{pool}_replicas"] = summary.get(f"pool_{pool}_replicas", 0.0) + 1
+        for key, value in stats.items():
+            name = f"pool_{pool}_{key}_total"
+            summary[name] = summary.get(name, 0.0) + value
     return summary
 
 

@@ -50,9 +50,17 @@ SCORE_WAIT_S = 0.005
 
 
 class GeneratorReplica:
-    def __init__(self, config: Config, generator_id: str, backend: Backend, context: zmq.Context):
+    def __init__(
+        self,
+        config: Config,
+        generator_id: str,
+        backend: Backend,
+        context: zmq.Context,
+        pool: str = "default",
+    ):
         self.config = config
         self.generator_id = generator_id
+        self.pool = pool
         self.backend = backend
         self.buffer = RequestClient(context, tcp(config.cluster.host, config.cluster.buffer_port))
         self.weights = WeightClient(context, tcp(config.cluster.host, config.cluster.weights_port))
@@ -168,7 +176,7 @@ class GeneratorReplica:
         metas, arrays = self.package(rollouts, [future.result() for _, future in scored])
         # the replica's own counters ride along, so the run's metrics show them
         stats = {key: float(value) for key, value in self.stats.items()}
-        ack, _ = self.request(Trajectories(metas, stats), arrays)
+        ack, _ = self.request(Trajectories(metas, stats, self.pool), arrays)
         assert isinstance(ack, Ack), ack
         self.stats["samples_sent"] += len(rollouts)
 
@@ -206,16 +214,44 @@ class GeneratorReplica:
         return metas, arrays
 
 
-def run(config: Config, run_dir: Path, replica_index: int) -> None:
+def generator_id(pool: str, index: int, restarts: int = 0) -> str:
+    """``gen-0`` (default pool), ``fast-1`` (pool ``fast``); ``-r2`` after two restarts,
+    so the buffer never takes a restarted replica for the one that died."""
+    name = f"gen-{index}" if pool == "default" else f"{pool}-{index}"
+    return f"{name}-r{restarts}" if restarts else name
+
+
+def pool_config(config: Config, pool: str) -> Config:
+    """``config`` with ``generators`` replaced by pool ``pool``'s effective settings."""
+    for candidate in config.generators.resolved_pools():
+        if candidate.name == pool:
+            return config.model_copy(update={"generators": candidate.settings})
+    names = [candidate.name for candidate in config.generators.resolved_pools()]
+    raise ValueError(f"no generator pool named {pool!r}; the config has {names}")
+
+
+def run(
+    config: Config,
+    run_dir: Path,
+    replica_index: int,
+    *,
+    pool: str = "default",
+    restarts: int = 0,
+) -> None:
+    config = pool_config(config, pool)
     torch.set_num_threads(config.generators.num_threads)
-    seed = config.run.seed * 1000 + replica_index + 1
+    seed = config.run.seed * 1000 + replica_index + 1 + 7919 * restarts
     model, tokenizer = build_policy(config.model, config.run.seed)
     torch.manual_seed(seed)
     context = zmq.Context()
+    name = generator_id(pool, replica_index, restarts)
     # the vLLM backend writes the model to this replica's directory and loads it from there
-    work_dir = run_dir / f"generator-{replica_index}"
+    work_dir = run_dir / (
+        f"generator-{replica_index}" if pool == "default" else f"generator-{pool}-{replica_index}"
+    )
     backend = build_backend(config, model, tokenizer, work_dir, seed)
-    replica = GeneratorReplica(config, f"gen-{replica_index}", backend, context)
+    replica = GeneratorReplica(config, name, backend, context, pool)
+    replica.stats["restarts"] = restarts
 
     def stop(*_):
         replica.stopping = True
