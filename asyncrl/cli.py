@@ -36,12 +36,36 @@ def _parser() -> argparse.ArgumentParser:
     validate = commands.add_parser("validate", help="check a config and print it resolved")
     validate.add_argument("config", type=Path)
     validate.add_argument("overrides", nargs="*")
+
+    keys = commands.add_parser(
+        "keys", help="create the CURVE keys a run needs to listen beyond 127.0.0.1"
+    )
+    keys.add_argument("dir", type=Path, metavar="RUN_DIR", help="the keys go into RUN_DIR/keys")
+    keys.add_argument(
+        "--force", action="store_true", help="replace existing keys (old holders are refused)"
+    )
     return parser
+
+
+def _keys(directory: Path, force: bool) -> int:
+    from asyncrl.security import generate_keys
+
+    try:
+        keys = generate_keys(directory, force=force)
+    except (FileExistsError, OSError) as error:
+        print(f"asyncrl: {error}", file=sys.stderr)
+        return 1
+    print(f"CURVE keys written to {keys}/ (secret files readable by you only)")
+    print(f"  launch with: asyncrl launch CONFIG --run-dir {directory} cluster.bind=0.0.0.0")
+    print("  other machines need server.key, client.key and client.key_secret (docs/security.md)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "keys":
+        return _keys(args.dir, args.force)
     resume = getattr(args, "resume", None)
     if args.command == "launch":
         if resume is not None and args.run_dir is not None:
@@ -66,10 +90,15 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
         return 0
     from asyncrl.launch import launch
+    from asyncrl.security import SecurityError
 
-    if resume is not None:
-        return launch(config, resume, resume=True)
-    return launch(config, args.run_dir)
+    try:
+        if resume is not None:
+            return launch(config, resume, resume=True)
+        return launch(config, args.run_dir)
+    except SecurityError as error:
+        print(f"asyncrl: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -283,11 +283,52 @@ class TrackingConfig(_Section):
 
 
 class ClusterConfig(_Section):
+    """Where the endpoints listen and how peers reach them (see docs/security.md)."""
+
     host: str = "127.0.0.1"
-    """Interface the buffer and weight endpoints bind to."""
+    """Address the roles connect to: the buffer's and learner's machine as the others reach it."""
+    bind: str | None = None
+    """Interface the buffer and weights endpoints listen on (`0.0.0.0`: all); empty: `host`.
+    Anything but loopback needs CURVE keys: `asyncrl keys RUN_DIR`."""
     buffer_port: int = Field(0, ge=0, le=65535)
     """0 picks a free port at launch."""
     weights_port: int = Field(0, ge=0, le=65535)
+    curve: bool | Literal["auto"] = "auto"
+    """Encrypt and authenticate every connection with ZeroMQ CURVE; `auto`: when `bind`
+    is not loopback (it cannot be turned off there)."""
+    keys_dir: str | None = None
+    """Folder of the CURVE keys (`asyncrl keys DIR` writes DIR/keys); empty: RUN_DIR/keys."""
+
+    @property
+    def bind_address(self) -> str:
+        return self.bind or self.host
+
+    @property
+    def binds_loopback(self) -> bool:
+        """True when only this machine can reach the endpoints; a host name counts as not."""
+        import ipaddress
+
+        address = self.bind_address.strip("[]")
+        if address == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(address).is_loopback
+        except ValueError:  # a host name or `*`: it may be reachable from anywhere
+            return False
+
+    @property
+    def uses_curve(self) -> bool:
+        return self.curve is True or not self.binds_loopback
+
+    @model_validator(mode="after")
+    def _curve_beyond_loopback(self) -> ClusterConfig:
+        if self.curve is False and not self.binds_loopback:
+            raise ValueError(
+                f"cluster.curve=false with cluster.bind={self.bind_address}: an endpoint "
+                "other machines can reach must use CURVE keys; drop cluster.curve (auto) "
+                "and run `asyncrl keys RUN_DIR`, or bind to 127.0.0.1"
+            )
+        return self
 
 
 class Config(_Section):

@@ -22,6 +22,7 @@ from typing import TextIO
 
 from asyncrl.config import Config, save_config
 from asyncrl.paths import latest_checkpoint
+from asyncrl.security import resolve_keys
 from asyncrl.transport import free_port
 
 STOP_TIMEOUT_S = 10.0
@@ -44,8 +45,8 @@ def make_run_dir(config: Config, run_dir: Path | None) -> Path:
 def resolve_ports(config: Config) -> Config:
     cluster = config.cluster
     updates = {
-        "buffer_port": cluster.buffer_port or free_port(cluster.host),
-        "weights_port": cluster.weights_port or free_port(cluster.host),
+        "buffer_port": cluster.buffer_port or free_port(cluster.bind_address),
+        "weights_port": cluster.weights_port or free_port(cluster.bind_address),
     }
     return config.model_copy(update={"cluster": cluster.model_copy(update=updates)})
 
@@ -154,6 +155,7 @@ def launch(config: Config, run_dir: Path | None = None, resume: bool = False) ->
         if resume_from is None:
             print(f"asyncrl: {run_dir} has no complete checkpoint to resume from", file=sys.stderr)
             return 2
+    config = resolve_keys(config, run_dir)  # CURVE keys missing: refused before anything starts
     run_dir = make_run_dir(config, run_dir)
     config = resolve_ports(config)
     save_config(config, run_dir / "config.yaml")

@@ -72,6 +72,7 @@ from asyncrl.messages import (
     encode,
     encode_raw,
 )
+from asyncrl.security import CurveKeys, secure_server
 from asyncrl.transport import client_socket
 
 log = logging.getLogger("asyncrl.weights")
@@ -156,7 +157,13 @@ class _Snapshot:
 class WeightPublisher:
     """Snapshots the learner's weights per version and serves them in chunks from a thread."""
 
-    def __init__(self, endpoint: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    def __init__(
+        self,
+        endpoint: str,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        curve: CurveKeys | None = None,
+    ):
+        """With ``curve`` (``security.curve_keys(config.cluster)``) serve only the run's clients."""
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self.endpoint = endpoint
@@ -170,6 +177,7 @@ class WeightPublisher:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._auth = secure_server(self._context, self._socket, curve) if curve else None
         self._socket.bind(endpoint)
         self._thread = threading.Thread(target=self._serve_loop, name="weights-server", daemon=True)
         self._thread.start()
@@ -342,6 +350,8 @@ class WeightPublisher:
         self._stop.set()
         self._thread.join(timeout=5)
         self._socket.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()  # before term(), which waits for the ZAP handler's sockets
         self._context.term()
 
 

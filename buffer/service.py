@@ -49,6 +49,7 @@ from asyncrl.messages import (
     encode,
 )
 from asyncrl.paths import BUFFER_STATE, checkpoint_dir
+from asyncrl.security import curve_keys, secure_server
 from asyncrl.transport import tcp
 
 log = logging.getLogger("asyncrl.buffer")
@@ -68,6 +69,8 @@ class BufferService:
         self.endpoint = endpoint
         self.run_dir = run_dir
         """Where checkpoints go; without one, SaveBufferState is refused."""
+        self.curve = curve_keys(config.cluster)
+        """The run's CURVE keys when its connections use them (docs/security.md)."""
         self.context = zmq.asyncio.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -81,6 +84,17 @@ class BufferService:
         """Each generator's latest counters (weight swaps, latency, reward errors)."""
 
     async def serve_loop(self) -> None:
+        """Serve until ``stopping`` is set, then close the socket and the context."""
+        auth = secure_server(self.context, self.socket, self.curve) if self.curve else None
+        try:
+            await self._serve()
+        finally:
+            if auth is not None:
+                auth.stop()  # before term(), which waits for the ZAP handler's sockets
+        self.socket.close(linger=0)
+        self.context.term()
+
+    async def _serve(self) -> None:
         self.socket.bind(self.endpoint)
         log.info("buffer serving on %s", self.endpoint)
         while not self.stopping.is_set():
@@ -102,8 +116,6 @@ class BufferService:
                 self.rejected["internal"] += 1
                 log.exception("failed to handle a message")
                 await self._reply(identity.bytes, ErrorReply("internal", repr(error)))
-        self.socket.close(linger=0)
-        self.context.term()
 
     def _expire_silent_generators(self) -> None:
         for generator_id in self.store.expire_silent(time.monotonic()):
@@ -293,7 +305,7 @@ def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
             store.cursor,
             len(store.requeue),
         )
-    endpoint = tcp(config.cluster.host, config.cluster.buffer_port)
+    endpoint = tcp(config.cluster.bind_address, config.cluster.buffer_port)
     service = BufferService(config, store, endpoint, run_dir)
 
     async def main() -> None:

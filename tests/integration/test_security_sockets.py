@@ -1,0 +1,149 @@
+"""CURVE endpoints over real sockets: the run's clients are served, any other peer is refused.
+
+Each server (the weights publisher, the buffer service) is checked against
+three peers: one with the run's keys, one speaking plain ZeroMQ, and one that
+knows the server's public key but holds a client key of its own. Only the
+first gets replies; the server goes on serving it after refusing the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from running_buffer import RunningBuffer
+from zmq.auth.thread import AuthenticationThread
+
+from asyncrl.config import load_config
+from asyncrl.messages import WeightsRequest, WorkGrant, WorkRequest, decode, encode
+from asyncrl.security import CurveKeys, generate_keys, secure_client
+from asyncrl.transport import client_socket, free_port, tcp
+from asyncrl.weights import WeightClient, WeightPublisher
+
+pytestmark = pytest.mark.timeout(60)
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+REFUSED_WAIT_MS = 1000
+"""How long a refused peer waits for the reply that must not come."""
+
+
+@pytest.fixture
+def keys(tmp_path) -> CurveKeys:
+    return CurveKeys(generate_keys(tmp_path / "run"))
+
+
+@pytest.fixture
+def stranger_keys(tmp_path, keys) -> CurveKeys:
+    """Keys of another run, except the server's public key, which it knows."""
+    stranger = generate_keys(tmp_path / "stranger")
+    shutil.copy(keys.directory / "server.key", stranger / "server.key")
+    return CurveKeys(stranger)
+
+
+@pytest.fixture
+def contexts(keys, stranger_keys) -> Iterator[dict[str, zmq.Context]]:
+    made = {
+        "run": secure_client(zmq.Context(), keys),
+        "plain": zmq.Context(),
+        "stranger": secure_client(zmq.Context(), stranger_keys),
+    }
+    yield made
+    for context in made.values():
+        context.destroy(linger=0)
+
+
+def no_reply(context: zmq.Context, endpoint: str, body) -> bool:
+    """Send ``body`` from a fresh socket of ``context``; True if nothing comes back."""
+    sock = client_socket(context, endpoint, timeout_s=REFUSED_WAIT_MS / 1000)
+    try:
+        sock.send_multipart(encode(body))
+        return sock.poll(REFUSED_WAIT_MS) == 0
+    finally:
+        sock.close(linger=0)
+
+
+def wait_for_refusal(caplog, timeout_s: float = 10.0) -> None:
+    """The server's ZAP handler logs the stranger's key (a handshake, so not instant)."""
+    deadline = time.monotonic() + timeout_s
+    while not any("refused a peer" in record.getMessage() for record in caplog.records):
+        assert time.monotonic() < deadline, "the server never refused the stranger's key"
+        time.sleep(0.05)
+
+
+def authenticators_alive() -> int:
+    return sum(isinstance(thread, AuthenticationThread) for thread in threading.enumerate())
+
+
+def test_weights_reach_only_the_run_s_clients(contexts, keys, caplog):
+    caplog.set_level(logging.WARNING, logger="asyncrl.security")
+    publisher = WeightPublisher(tcp("127.0.0.1", free_port()), chunk_bytes=64, curve=keys)
+    client = WeightClient(contexts["run"], publisher.endpoint, timeout_s=10.0)
+    try:
+        state = {"w": torch.arange(40, dtype=torch.float32)}
+        publisher.publish(state, version=0)
+        version, _, fetched = client.fetch_newer(-1)
+        assert version == 0
+        assert torch.equal(fetched["w"], state["w"])
+
+        assert no_reply(contexts["plain"], publisher.endpoint, WeightsRequest(-1))
+        assert no_reply(contexts["stranger"], publisher.endpoint, WeightsRequest(-1))
+        wait_for_refusal(caplog)
+        assert publisher.served["manifests_sent"] == 1  # neither peer got as far as a request
+
+        publisher.publish({"w": state["w"] * 2}, version=1)
+        version, _, fetched = client.fetch_newer(0)
+        assert version == 1
+        assert torch.equal(fetched["w"], state["w"] * 2)
+    finally:
+        client.close()
+        publisher.close()
+    assert authenticators_alive() == 0
+
+
+@contextlib.contextmanager
+def running_buffer(keys: CurveKeys) -> Iterator[RunningBuffer]:
+    # bind 0.0.0.0 turns CURVE on (auto); RunningBuffer itself listens on 127.0.0.1 only
+    config = load_config(
+        QUICKSTART,
+        [
+            "cluster.bind=0.0.0.0",
+            f"cluster.keys_dir={keys.directory}",
+            f"cluster.buffer_port={free_port()}",
+        ],
+    )
+    running = RunningBuffer(config).start()
+    try:
+        yield running
+    finally:
+        running.stop()
+    assert running.error is None, running.error
+
+
+def test_the_buffer_answers_only_the_run_s_clients(contexts, keys, caplog):
+    caplog.set_level(logging.WARNING, logger="asyncrl.security")
+    with running_buffer(keys) as buffer:
+        generator = client_socket(contexts["run"], buffer.endpoint, timeout_s=10.0)
+        try:
+            generator.send_multipart(encode(WorkRequest("gen-0", max_samples=8)))
+            grant, _ = decode(generator.recv_multipart())
+            assert isinstance(grant, WorkGrant) and grant.items
+
+            assert no_reply(contexts["plain"], buffer.endpoint, WorkRequest("plain", 8))
+            assert no_reply(contexts["stranger"], buffer.endpoint, WorkRequest("stranger", 8))
+            wait_for_refusal(caplog)
+            assert set(buffer.store.last_seen) == {"gen-0"}  # the others never reached it
+
+            generator.send_multipart(encode(WorkRequest("gen-0", max_samples=8)))
+            grant, _ = decode(generator.recv_multipart())
+            assert isinstance(grant, WorkGrant)
+        finally:
+            generator.close(linger=0)
+    assert authenticators_alive() == 0

@@ -1,0 +1,109 @@
+"""Endpoint security settings: when CURVE is required, the `asyncrl keys` command, and
+launch refusing a reachable endpoint without keys before anything starts."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+
+from asyncrl import cli
+from asyncrl.config import ConfigError, load_config
+from asyncrl.security import KEY_FILES, SecurityError, curve_keys, generate_keys, resolve_keys
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+
+
+def cluster(*overrides: str):
+    return load_config(QUICKSTART, list(overrides)).cluster
+
+
+def test_endpoints_bind_to_loopback_without_curve_by_default():
+    default = cluster()
+    assert (default.bind_address, default.uses_curve) == ("127.0.0.1", False)
+    assert curve_keys(default) is None
+    assert not cluster("cluster.host=localhost").uses_curve
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["cluster.bind=0.0.0.0", "cluster.bind=*", "cluster.bind=node-3", "cluster.host=10.1.2.3"],
+)
+def test_any_other_interface_requires_curve(override):
+    assert cluster(override).uses_curve
+
+
+def test_curve_can_be_required_on_loopback_too():
+    assert cluster("cluster.curve=true").uses_curve
+
+
+def test_curve_cannot_be_turned_off_for_a_reachable_interface():
+    with pytest.raises(ConfigError) as error:
+        cluster("cluster.bind=0.0.0.0", "cluster.curve=false")
+    assert "cluster.curve=false with cluster.bind=0.0.0.0" in str(error.value)
+    assert "asyncrl keys RUN_DIR" in str(error.value)
+
+
+def test_a_role_without_a_keys_dir_is_told_to_name_one():
+    with pytest.raises(SecurityError, match=r"cluster\.keys_dir is empty"):
+        curve_keys(cluster("cluster.curve=true"))
+
+
+def test_launch_check_names_the_missing_keys_and_the_command(tmp_path):
+    config = load_config(QUICKSTART, ["cluster.bind=0.0.0.0"])
+    with pytest.raises(SecurityError) as error:
+        resolve_keys(config, tmp_path / "run")
+    message = str(error.value)
+    assert "cluster.bind=0.0.0.0 is not a loopback interface" in message
+    assert f"asyncrl keys {tmp_path / 'run'}" in message
+    assert "server.key_secret" in message
+
+
+def test_launch_check_without_a_run_dir_asks_for_one():
+    config = load_config(QUICKSTART, ["cluster.bind=0.0.0.0"])
+    with pytest.raises(SecurityError, match="--run-dir RUN_DIR"):
+        resolve_keys(config, None)
+
+
+def test_launch_check_of_a_custom_keys_dir_names_the_config_key(tmp_path):
+    config = load_config(QUICKSTART, ["cluster.curve=true", f"cluster.keys_dir={tmp_path}/mine"])
+    with pytest.raises(SecurityError, match=r"cluster\.keys_dir=.*point cluster\.keys_dir at"):
+        resolve_keys(config, None)
+
+
+def test_launch_check_saves_an_absolute_keys_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    generate_keys(Path("run"))
+    config = load_config(QUICKSTART, ["cluster.bind=0.0.0.0"])
+    resolved = resolve_keys(config, Path("run"))
+    assert resolved.cluster.keys_dir == str(tmp_path / "run" / "keys")
+    unchanged = load_config(QUICKSTART)
+    assert resolve_keys(unchanged, Path("run")) is unchanged
+
+
+def test_launch_refuses_a_reachable_endpoint_without_keys_before_anything_starts(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    argv = ["launch", str(QUICKSTART), "cluster.bind=0.0.0.0", "--run-dir", str(run_dir)]
+    assert cli.main(argv) == 2
+    assert f"run `asyncrl keys {run_dir}` first" in capsys.readouterr().err
+    assert not run_dir.exists()  # no run directory, so no process either
+
+
+def test_keys_command_writes_private_secrets_and_refuses_to_overwrite(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert cli.main(["keys", str(run_dir)]) == 0
+    keys = run_dir / "keys"
+    assert sorted(path.name for path in keys.iterdir()) == sorted(KEY_FILES)
+    assert stat.S_IMODE(keys.stat().st_mode) == 0o700
+    for name in ("server.key_secret", "client.key_secret"):
+        assert stat.S_IMODE((keys / name).stat().st_mode) == 0o600
+    first = {name: (keys / name).read_text() for name in KEY_FILES}
+
+    assert cli.main(["keys", str(run_dir)]) == 1
+    assert "pass --force to replace them" in capsys.readouterr().err
+    assert {name: (keys / name).read_text() for name in KEY_FILES} == first
+
+    assert cli.main(["keys", str(run_dir), "--force"]) == 0
+    replaced = {name: (keys / name).read_text() for name in KEY_FILES}
+    assert all(replaced[name] != first[name] for name in KEY_FILES)
