@@ -19,6 +19,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from asyncrl.envs.config import EnvironmentConfig
+
 
 class _Section(BaseModel):
     """Strict base: unknown keys are errors, not silently ignored."""
@@ -343,6 +345,8 @@ class Config(_Section):
     generators: GeneratorsConfig = GeneratorsConfig()
     tracking: TrackingConfig = TrackingConfig()
     cluster: ClusterConfig = ClusterConfig()
+    environment: EnvironmentConfig | None = None
+    """Multi-turn episodes (tool calling); unset: one model turn per sample."""
 
     @model_validator(mode="after")
     def _weights_fresh_enough(self) -> Config:

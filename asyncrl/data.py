@@ -47,6 +47,8 @@ class PromptRow:
     extra_info: dict = field(default_factory=dict)
     source: str = ""
     """``file:row`` it came from (row numbers from 1)."""
+    messages: list[dict[str, str]] = field(default_factory=list)
+    """The prompt as chat messages, before rendering."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,7 @@ class PromptDataset:
             row.ground_truth,
             row.extra_info,
             row.source,
+            row.messages,
         )
 
 

@@ -69,6 +69,9 @@ class WorkItem(msgspec.Struct, forbid_unknown_fields=True):
     data_source: str = ""
     extra_info: dict = msgspec.field(default_factory=dict)
     """The row's ``extra_info``, passed to its reward function."""
+    messages: list[dict] = msgspec.field(default_factory=list)
+    """The row's prompt as chat messages; sent only when an environment renders its
+    own prompt from them (``environment`` set), else empty."""
 
 
 class WorkGrant(_Body, tag="work_grant"):

@@ -86,6 +86,7 @@ def work_item_factory(config: Config):
     from asyncrl.messages import WorkItem
 
     group_size = config.algorithm.group_size
+    with_messages = config.environment is not None  # the environment renders the prompt
     if config.data.train_files:
         from asyncrl.data import PromptDataset
         from asyncrl.rewards import check_reward_sources
@@ -108,6 +109,7 @@ def work_item_factory(config: Config):
                 row.ground_truth,
                 row.data_source,
                 extra_info=row.extra_info,
+                messages=row.messages if with_messages else [],
             )
 
         return make_row_item
@@ -118,7 +120,10 @@ def work_item_factory(config: Config):
     def make_item(index: int) -> WorkItem:
         prompt = task.prompt(index)
         ids = task.encode_prompt(prompt, tokenizer)
-        return WorkItem(index, group_size, ids, prompt.ground_truth, prompt.data_source)
+        messages = [{"role": "user", "content": prompt.text}] if with_messages else []
+        return WorkItem(
+            index, group_size, ids, prompt.ground_truth, prompt.data_source, messages=messages
+        )
 
     return make_item
 

@@ -83,6 +83,8 @@ import numpy as np
 from asyncrl.messages import TrajectoryMeta, WorkItem
 
 MIB = 1 << 20
+UNVERSIONED = 1 << 62
+"""The version of a sample with no model token: later than any, so never stale."""
 FILTERS = ("truncated", "equal_rewards")
 """Filter reasons; each is counted as ``filtered_<reason>``."""
 
@@ -103,10 +105,12 @@ class Sample:
         """The oldest weight version among its model-generated tokens (computed once, then kept).
 
         Tool and environment tokens of a multi-turn sample carry version -1: no
-        policy made them, so they do not make a sample stale.
+        policy made them, so they do not make a sample stale. A sample without
+        model tokens (an episode whose prompt filled its token budget) is never
+        stale: :data:`UNVERSIONED`.
         """
         made_by_model = self.token_versions[self.token_versions >= 0]
-        return int(made_by_model.min()) if made_by_model.size else 0
+        return int(made_by_model.min()) if made_by_model.size else UNVERSIONED
 
     @property
     def nbytes(self) -> int:
@@ -385,8 +389,8 @@ class BufferStore:
             group = self.ready.pop(0)
             batch.extend(group.samples[i] for i in sorted(group.samples))
             taken.append(group)
-        staleness = [self.policy_version - s.version for s in batch]
-        assert max(staleness) <= self.max_staleness, "take_batch served a stale sample"
+        staleness = [self.policy_version - s.version for s in batch if s.version != UNVERSIONED]
+        assert max(staleness, default=0) <= self.max_staleness, "take_batch served a stale sample"
         for group in taken:
             self._after_serving(group)
         self.ready.sort(key=lambda g: g.version)

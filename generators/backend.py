@@ -46,13 +46,21 @@ class Rollout:
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     token_versions: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    """Per response token: 1 for the model's tokens, 0 for ones an environment added."""
     finish_reason: str | None = None
     """None while unfinished; ``"stop"`` (EOS or a stop string) or ``"length"`` (max_new_tokens)."""
     started_at: float = 0.0
+    max_new_tokens: int | None = None
+    """Response length at which this rollout ends with ``"length"``; None: the backend's
+    ``max_new_tokens``. A multi-turn episode moves it on at every turn."""
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def token_limit(self, default: int) -> int:
+        return default if self.max_new_tokens is None else self.max_new_tokens
 
 
 @runtime_checkable
@@ -135,10 +143,11 @@ class StopStrings:
         text = self.tokenizer.decode(tail, skip_special_tokens=True)
         if not any(s in text for s in self.stop):
             return False
-        # present now; was it before the last token? (it cannot have been, had we
-        # checked then, unless it sits in text decoded only now: be exact)
+        # Did the last token add an occurrence? Counting (not just testing) matters when
+        # earlier text in the window already holds one: an environment's reply in a
+        # multi-turn episode ends with the turn marker the model is asked to stop at.
         before = self.tokenizer.decode(tail[:-1], skip_special_tokens=True)
-        return not any(s in before for s in self.stop)
+        return any(text.count(s) > before.count(s) for s in self.stop)
 
 
 def append_tokens(
@@ -155,16 +164,19 @@ def append_tokens(
 
     The ending rules of every backend, so both engines finish a sequence at the
     same token: EOS -> "stop"; the token completing a stop string -> "stop";
-    reaching ``max_new_tokens`` -> "length".
+    reaching the rollout's token limit (``max_new_tokens`` unless the rollout
+    sets its own) -> "length".
     """
+    limit = rollout.token_limit(max_new_tokens)
     for token, logprob in zip(tokens, logprobs, strict=True):
         rollout.response_ids.append(int(token))
         rollout.logprobs.append(float(logprob))
         rollout.token_versions.append(version)
+        rollout.loss_mask.append(1)
         if token == eos_token_id or stop.completed_by_last_token(rollout.response_ids):
             rollout.finish_reason = "stop"
             return
-        if len(rollout.response_ids) >= max_new_tokens:
+        if len(rollout.response_ids) >= limit:
             rollout.finish_reason = "length"
             return
 

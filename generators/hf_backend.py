@@ -105,7 +105,7 @@ class HFBackend:
         if not active:
             return
         budget = self.sampling.max_new_tokens
-        steps = min(max_tokens, max(budget - len(r.response_ids) for r in active))
+        steps = min(max_tokens, max(r.token_limit(budget) - len(r.response_ids) for r in active))
         input_ids, attention_mask = self._left_pad([r.prompt_ids + r.response_ids for r in active])
         aborts = _AbortRows(self, active, input_ids.shape[1])
         with self._lock:

@@ -245,7 +245,7 @@ class VLLMBackend:
         with self._lock:
             for rollout in active:
                 request_id = f"asyncrl-{next(self._request_ids)}"
-                steps = min(max_tokens, budget - len(rollout.response_ids))
+                steps = min(max_tokens, rollout.token_limit(budget) - len(rollout.response_ids))
                 if steps not in params:
                     params[steps] = self._params(steps)
                 prompt = {"prompt_token_ids": rollout.prompt_ids + rollout.response_ids}

@@ -29,7 +29,9 @@ import torch
 import zmq
 
 from asyncrl.config import Config
+from asyncrl.envs.formatting import FORMATTERS
 from asyncrl.generators.backend import Backend, Rollout, build_backend
+from asyncrl.generators.episodes import Episodes
 from asyncrl.messages import (
     Ack,
     Heartbeat,
@@ -40,6 +42,7 @@ from asyncrl.messages import (
 )
 from asyncrl.models import build_policy
 from asyncrl.rewards import RewardScorer, Score
+from asyncrl.security import client_context
 from asyncrl.transport import RequestClient, tcp
 from asyncrl.weights import WeightClient
 
@@ -77,24 +80,51 @@ class GeneratorReplica:
         """Finished samples waiting for their reward."""
         self.extra_info: dict[int, list] = {}
         """group_id -> [its WorkItem's extra_info, samples not yet scored], when not empty."""
+        self.episodes: Episodes | None = None
+        """Multi-turn episodes, when ``environment`` is configured (their reward is the
+        environment's, not the reward function's)."""
+        if config.environment is not None:
+            self.episodes = Episodes(
+                config.environment, backend.tokenizer, config.generators.max_new_tokens
+            )
 
     def run_loop(self) -> None:
         retry_after = 0.0
         while not self.stopping:
             retry_after = self.top_up()
+            self.collect_episodes()
             if not self.active:
                 if self.scoring:
                     self.send([])
                 self.heartbeat()
-                time.sleep(max(retry_after, 0.01))
+                stepping = self.episodes is not None and self.episodes.waiting
+                time.sleep(0.005 if stepping else max(retry_after, 0.01))
                 continue
             self.sync_weights()
             self.backend.generate_chunk(self.active, self.config.generators.chunk_tokens)
-            finished = [r for r in self.active if r.finished]
+            ended = [r for r in self.active if r.finished]
             self.active = [r for r in self.active if not r.finished]
+            finished = []
+            for rollout in ended:
+                if self.episodes is not None and self.episodes.owns(rollout):
+                    self.episodes.end_turn(rollout)  # a turn ended, maybe not the episode
+                else:
+                    finished.append(rollout)
             if finished or self.scoring:
                 self.send(finished)
             self.heartbeat()
+
+    def collect_episodes(self) -> None:
+        """Episodes the environment has answered go back to generation or out as samples."""
+        if self.episodes is None:
+            return
+        continuing, finished = self.episodes.collect()
+        self.active += continuing
+        for rollout, score in finished:
+            scored: Future = Future()
+            scored.set_result(score)
+            self.scoring.append((rollout, scored))
+        self.stats.update({f"env_{key}": value for key, value in self.episodes.stats.items()})
 
     def heartbeat(self) -> None:
         """Tell the buffer this replica is alive, unless another request just did."""
@@ -116,12 +146,20 @@ class GeneratorReplica:
     def top_up(self) -> float:
         """Ask the buffer for as many samples as there is room for; returns its retry hint."""
         room = self.config.generators.max_active_samples - len(self.active)
+        if self.episodes is not None:
+            room -= self.episodes.waiting
         if room < self.config.algorithm.group_size:
             return 0.0
         grant, _ = self.request(WorkRequest(self.generator_id, room))
         assert isinstance(grant, WorkGrant), grant
         now = time.time()
         for item in grant.items:
+            if self.episodes is not None:
+                for index in range(item.num_samples):
+                    rollout = self.episodes.start(item, index, now)
+                    if not rollout.finished:
+                        self.active.append(rollout)
+                continue
             if item.extra_info:
                 self.extra_info[item.group_id] = [item.extra_info, item.num_samples]
             for index in range(item.num_samples):
@@ -209,7 +247,7 @@ class GeneratorReplica:
             "token_versions": np.concatenate(
                 [np.asarray(r.token_versions, np.int32) for r in rollouts]
             ),
-            "loss_mask": np.concatenate([np.ones(len(r.response_ids), np.uint8) for r in rollouts]),
+            "loss_mask": np.concatenate([np.asarray(r.loss_mask, np.uint8) for r in rollouts]),
         }
         return metas, arrays
 
@@ -239,11 +277,16 @@ def run(
     restarts: int = 0,
 ) -> None:
     config = pool_config(config, pool)
+    if config.environment is not None:  # a model turn ends at the turn marker
+        end_of_turn = FORMATTERS[config.environment.formatter]().end_of_turn
+        stop = [*config.generators.stop, end_of_turn]
+        generators = config.generators.model_copy(update={"stop": stop})
+        config = config.model_copy(update={"generators": generators})
     torch.set_num_threads(config.generators.num_threads)
     seed = config.run.seed * 1000 + replica_index + 1 + 7919 * restarts
     model, tokenizer = build_policy(config.model, config.run.seed)
     torch.manual_seed(seed)
-    context = zmq.Context()
+    context = client_context(config.cluster)
     name = generator_id(pool, replica_index, restarts)
     # the vLLM backend writes the model to this replica's directory and loads it from there
     work_dir = run_dir / (
@@ -262,5 +305,7 @@ def run(
         replica.run_loop()
     finally:
         replica.scorer.close()
+        if replica.episodes is not None:
+            replica.episodes.close()
         backend.close()
         context.destroy(linger=0)

@@ -1,13 +1,13 @@
 """The ``environment`` config section, and building environments from it.
 
-Not yet part of :class:`asyncrl.config.Config`; it is shaped to slot in as
-``environment: EnvironmentConfig | None = None``.
+``Config.environment`` is None for single-turn runs; set, every sample is an
+episode driven by the generator (:mod:`asyncrl.generators.episodes`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -17,9 +17,9 @@ from asyncrl.envs.base import Environment
 class EnvironmentConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    name: str | None = None
+    name: str
     """`tools` for the built-in tool-calling environment, or `module:Class` /
-    `path/to/file.py:Class` for your own. Empty: single-turn, no environment."""
+    `path/to/file.py:Class` for your own."""
     tools: list[str] = ["calculator", "python"]
     """Tools for `name: tools`: built-in names or `module:attr` naming a Tool."""
     max_turns: int = Field(4, ge=1)
@@ -30,14 +30,19 @@ class EnvironmentConfig(BaseModel):
     """Wall-clock limit of one `python` tool call."""
     python_memory_mb: int = Field(512, ge=16)
     """Address-space limit of one `python` tool call."""
+    formatter: Literal["chatml", "plain"] = "chatml"
+    """How turns are rendered to text: `chatml` (Qwen, `<|im_start|>role ... <|im_end|>`)
+    or `plain` (`role: text` lines, for the tiny built-in tokenizer)."""
+    workers: int = Field(4, ge=1)
+    """Threads per generator that step environments (run tools), off the generation loop."""
     kwargs: dict[str, Any] = {}
     """Extra keyword arguments for the environment's constructor (for `tools`:
     `compute_score`, `parser`, `system_prompt`, `max_calls_per_turn`, ...)."""
 
     @field_validator("name")
     @classmethod
-    def _known_form(cls, value: str | None) -> str | None:
-        if value is not None and value != "tools" and ":" not in value:
+    def _known_form(cls, value: str) -> str:
+        if value != "tools" and ":" not in value:
             raise ValueError("expected 'tools', 'module:Class' or 'path/to/file.py:Class'")
         return value
 
@@ -47,8 +52,6 @@ def environment_factory(config: EnvironmentConfig) -> Callable[[], Environment]:
     so a bad name fails at start-up, not at the first episode."""
     from asyncrl.envs import load_environment
 
-    if config.name is None:
-        raise ValueError("environment.name is not set")
     if config.name == "tools":
         kwargs = {
             "tools": list(config.tools),

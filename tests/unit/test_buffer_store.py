@@ -366,3 +366,16 @@ def test_generator_counters_are_averaged_and_summed_over_generators():
     assert summary["generators_weight_swap_latency_s"] == pytest.approx(0.2)
     assert summary["generators_weight_swaps"] == 4.0
     assert summary["generators_weight_swaps_total"] == 8.0
+
+
+def test_a_sample_without_model_tokens_is_never_stale():
+    """An episode over before the model spoke (its prompt filled the token budget) has
+    only environment tokens, version -1: it must not count as version 0 and go stale."""
+    store = make_store(group_size=2, samples_per_step=2, max_staleness=0)
+    [item] = store.dispatch("gen-0", 2, now=0.0)
+    store.set_policy_version(1)
+    samples = [make_sample(item.group_id, i, versions=[-1, -1]) for i in range(2)]
+    assert store.ingest(samples) == 2
+    batch = store.take_batch()
+    assert batch is not None and keys(batch) == [(item.group_id, 0), (item.group_id, 1)]
+    assert store.stats()["buffer_dropped_stale"] == 0

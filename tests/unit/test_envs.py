@@ -404,13 +404,14 @@ def test_load_environment_by_name_and_its_errors():
 
 
 def test_environment_config_and_factory():
-    config = EnvironmentConfig()
-    assert (config.name, config.tools, config.max_turns, config.max_total_tokens) == (
-        None,
+    config = EnvironmentConfig(name="tools")
+    assert (config.tools, config.max_turns, config.max_total_tokens) == (
         ["calculator", "python"],
         4,
         2048,
     )
+    with pytest.raises(ValueError, match="name"):
+        EnvironmentConfig()
     with pytest.raises(ValueError, match="module:Class"):
         EnvironmentConfig(name="guess")
     with pytest.raises(ValueError, match="extra"):

@@ -1,0 +1,32 @@
+"""A launched run with a multi-turn environment: episodes of several turns reach the
+learner, with the environment's reward and its counters in the metrics."""
+
+from __future__ import annotations
+
+import pytest
+from test_launch_end_to_end import REPO, launch, processes_of, read_metrics
+
+pytestmark = pytest.mark.slow
+
+
+def test_multi_turn_episodes_train_end_to_end(tmp_path):
+    run_dir = tmp_path / "run"
+    env = REPO / "tests/unit/test_episodes.py"
+    result = launch(
+        run_dir, "run.total_steps=3", "tracking.aim=false",
+        f"environment.name={env}:CountdownEnv", "environment.formatter=plain",
+        "environment.max_turns=3", "environment.max_total_tokens=100",
+        "generators.max_new_tokens=6", 'generators.stop=["5"]',
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = read_metrics(run_dir)
+    assert [r["version"] for r in records] == [1, 2, 3]
+    last = records[-1]
+    # turns end at the stop string or the 6-token turn limit; some episodes go on
+    episodes = last["generators_env_episodes_total"]
+    assert episodes >= 3 * 256
+    assert last["generators_env_turns_total"] > episodes
+    assert last["generators_env_tool_calls_total"] > 0
+    # CountdownEnv pays the turns it saw when it ends the episode; cut ones get 0
+    assert 0 < max(r["reward_mean"] for r in records) <= 3
+    assert not processes_of(run_dir)
