@@ -52,8 +52,16 @@ def _number(text: str) -> float | None:
 
 
 def default_score(data_source: str, solution_str: str, ground_truth: Any, extra_info=None) -> float:
-    """1.0 when the answer (the last ``\\boxed{...}``, else the whole text) equals the
-    ground truth, numerically when both are numbers; else 0.0."""
+    """The built-in reward function of ``data_source`` (asyncrl.rewards, e.g. GSM8K's
+    ``#### answer``) when there is one; otherwise 1.0 when the answer (the last
+    ``\\boxed{...}``, else the whole text) equals the ground truth, numerically when
+    both are numbers, else 0.0."""
+    from asyncrl.rewards import REWARD_FUNCTIONS
+
+    if data_source in REWARD_FUNCTIONS:
+        return float(
+            REWARD_FUNCTIONS[data_source](data_source, solution_str, ground_truth, extra_info)
+        )
     if ground_truth is None:
         return 0.0
     boxed = re.findall(r"\\boxed\{([^{}]*)\}", solution_str)

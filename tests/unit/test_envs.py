@@ -338,6 +338,9 @@ def test_scorers():
     assert default_score("d", r"so \boxed{42.0}", "42") == 1.0
     assert default_score("d", "41", "42") == 0.0
     assert default_score("d", "Paris", "Paris") == 1.0
+    # a data_source with a built-in reward function is scored by it
+    assert default_score("openai/gsm8k", "so 6 * 7 = 42\n#### 42", "42") == 1.0
+    assert default_score("openai/gsm8k", r"\boxed{42}", "42") == 0.0  # gsm8k wants ####
     seen = []
 
     def score(data_source, solution_str, ground_truth, extra_info):
