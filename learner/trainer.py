@@ -13,17 +13,29 @@ max_staleness`` (the buffer's ``take_batch`` guarantees it; this loop reports
 the staleness it actually got). Weights are published every
 ``sync_interval`` versions, and a checkpoint is written every
 ``checkpoint_every`` steps.
+
+SIGTERM (or SIGINT) stops the learner at a step boundary: rank 0 abandons a
+batch it is still waiting for, or finishes the step it is training; every
+rank then agrees to stop (:func:`stop_agreed`), the last complete step is
+checkpointed with the buffer's state unless it already is, and the process
+exits 0. Each step's group ids go to ``RUN_DIR/trained_groups.jsonl``, so
+which prompts were trained can be checked across restarts.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import signal
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import zmq
 from torch import nn
 
@@ -41,6 +53,14 @@ from asyncrl.weights import WeightPublisher
 
 log = logging.getLogger("asyncrl.learner")
 
+STOP_POLL_S = 0.2
+"""While rank 0 waits for a batch, how often it checks whether it was asked to stop."""
+FINAL_SAVE_TIMEOUT_S = 5.0
+"""How long the checkpoint written on a stop waits for the buffer's part of it."""
+TRAINED_GROUPS = "trained_groups.jsonl"
+"""One line per step: ``{"step": 4, "version": 5, "group_ids": [...]}`` (steps as in
+metrics.jsonl). After a resume, the last line of a step is the one that counts."""
+
 
 class BufferClient:
     """Rank 0's line to the buffer: batches (waiting however long generation takes)
@@ -50,14 +70,41 @@ class BufferClient:
         self.client = RequestClient(context, endpoint, timeout_s=3600.0)
         self.pad_id = pad_id
 
-    def next_batch(self, policy_version: int) -> tuple[TrainBatch, dict[str, float]]:
-        reply, arrays = self.client.request(BatchRequest(policy_version))
+    def next_batch(
+        self, policy_version: int, stop: Callable[[], bool] = lambda: False
+    ) -> tuple[TrainBatch, dict[str, float]] | None:
+        """The next batch, or None once ``stop()`` is true and no batch has come.
+
+        An abandoned request stays open at the buffer: :meth:`save_state` notices
+        if the buffer answers it after all.
+        """
+        if stop():
+            return None
+        receive = partial(self.client.request, BatchRequest(policy_version))
+        waited_s = 0.0
+        while True:
+            try:
+                reply, arrays = receive(timeout_s=STOP_POLL_S)
+                break
+            except TimeoutError:
+                receive = self.client.receive  # the request is out: wait for its answer
+                waited_s += STOP_POLL_S
+                if stop():
+                    return None
+                if waited_s >= self.client.timeout_s:
+                    raise
         if not isinstance(reply, Trajectories):
             raise RuntimeError(f"buffer answered a batch request with {reply!r}")
         return collate(reply.samples, arrays, self.pad_id), reply.stats
 
-    def save_state(self, step: int) -> None:
-        reply, _ = self.client.request(SaveBufferState(step))
+    def save_state(self, step: int, timeout_s: float | None = None) -> None:
+        reply, _ = self.client.request(SaveBufferState(step), timeout_s=timeout_s)
+        if isinstance(reply, Trajectories):
+            raise RuntimeError(
+                f"the buffer handed out a batch the learner had stopped waiting for before it "
+                f"saved its state: checkpoint step {step} would skip that batch's prompts, so it "
+                "is not marked complete"
+            )
         if not isinstance(reply, Ack):
             raise RuntimeError(f"buffer could not save its state for step {step}: {reply!r}")
 
@@ -145,7 +192,32 @@ class Learner:
             self.tokenizer.save_pretrained(path)
 
 
+class StopRequest:
+    """Set by SIGTERM or SIGINT; the training loop stops at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._request)
+
+    def _request(self, *_) -> None:
+        self.requested = True
+
+    def __call__(self) -> bool:
+        return self.requested
+
+
+def stop_agreed(stop: bool, ranks: Ranks) -> bool:
+    """Rank 0's ``stop`` on every rank; the others wait for it here, never mid-collective."""
+    if ranks.world_size == 1:
+        return stop
+    flag = torch.tensor([int(stop)], device=ranks.device)
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
 def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
+    stop = StopRequest()  # first: a signal during start-up stops before step 1
     ranks = distributed.init(config.learner.device)
     torch.set_num_threads(config.learner.num_threads)
     torch.manual_seed(config.run.seed)
@@ -164,9 +236,13 @@ def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
         cleanup.callback(distributed.shutdown)
         main = _MainRank(config, run_dir, learner, cleanup) if ranks.is_main else None
         publish(learner, main)
+        checkpointed = learner.step
         while learner.step < config.run.total_steps:
             waited = time.perf_counter()
-            batch, buffer_stats = main.buffer.next_batch(learner.version) if main else (None, {})
+            fetched = main.buffer.next_batch(learner.version, stop) if main else None
+            if stop_agreed(fetched is None, ranks):
+                break
+            batch, buffer_stats = fetched or (None, {})
             batch = distributed.broadcast_batch(batch, ranks)
             wait_s = time.perf_counter() - waited
 
@@ -178,13 +254,19 @@ def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
             stall = 0.0
             if learner.version % config.learner.sync_interval == 0:
                 stall = publish(learner, main)
+            if main:
+                main.log(batch, consumed_version, metrics | buffer_stats, wait_s, update_s, stall)
             if (
                 config.learner.checkpoint_every
                 and learner.step % config.learner.checkpoint_every == 0
             ):
                 save_checkpoint(learner, main, run_dir)
-            if main:
-                main.log(batch, consumed_version, metrics | buffer_stats, wait_s, update_s, stall)
+                checkpointed = learner.step
+        if learner.step < config.run.total_steps:  # asked to stop
+            if learner.step > checkpointed:
+                save_checkpoint(learner, main, run_dir, buffer_timeout_s=FINAL_SAVE_TIMEOUT_S)
+            log.info("stopped by a signal after step %d", learner.step)
+            return
         if main is not None:
             log.info("trained %d steps; saving the final policy", learner.step)
         learner.save_pretrained(run_dir / "final")
@@ -203,11 +285,16 @@ def publish(learner: Learner, main: _MainRank | None) -> float:
     return time.perf_counter() - started
 
 
-def save_checkpoint(learner: Learner, main: _MainRank | None, run_dir: Path) -> None:
+def save_checkpoint(
+    learner: Learner,
+    main: _MainRank | None,
+    run_dir: Path,
+    buffer_timeout_s: float | None = None,
+) -> None:
     path = checkpoint_dir(run_dir, learner.step)
     learner.save_checkpoint(path)
     if main is not None:
-        main.buffer.save_state(learner.step)
+        main.buffer.save_state(learner.step, buffer_timeout_s)
         checkpoint.mark_complete(path)
         log.info("checkpoint %s", path)
 
@@ -230,6 +317,8 @@ class _MainRank:
             run_dir, config.run.name, config.model_dump(mode="json"), config.tracking.aim
         )
         cleanup.callback(self.tracker.close)
+        self.trained_groups = (run_dir / TRAINED_GROUPS).open("a")
+        cleanup.callback(self.trained_groups.close)
         self.samples_total = 0
         self.wait_total = 0.0
         self.started = time.perf_counter()
@@ -249,6 +338,10 @@ class _MainRank:
         elapsed = time.perf_counter() - self.started
         staleness = (version - batch.versions).float()
         tokens = int(batch.attention_mask.sum())
+        groups = sorted(set(batch.group_ids.tolist()))
+        record = {"step": version, "version": version + 1, "group_ids": groups}
+        self.trained_groups.write(json.dumps(record) + "\n")
+        self.trained_groups.flush()
         self.tracker.log(
             version,
             {
