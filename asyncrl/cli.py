@@ -32,6 +32,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR",
         help="continue RUN_DIR from its newest complete checkpoint",
     )
+    launch.add_argument(
+        "--quiet",
+        action="store_true",
+        help="one plain line per step instead of the live panel (also when output is not a TTY)",
+    )
 
     validate = commands.add_parser("validate", help="check a config and print it resolved")
     validate.add_argument("config", type=Path)
@@ -94,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if resume is not None:
-            return launch(config, resume, resume=True)
-        return launch(config, args.run_dir)
+            return launch(config, resume, resume=True, quiet=args.quiet)
+        return launch(config, args.run_dir, quiet=args.quiet)
     except SecurityError as error:
         print(f"asyncrl: {error}", file=sys.stderr)
         return 2

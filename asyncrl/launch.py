@@ -3,34 +3,75 @@
 It validates the config (before anything starts), creates the run directory,
 writes the resolved config with the ports it picked, starts the buffer, the
 learner and every generator replica with their output in ``RUN_DIR/logs/``,
-prints one progress line per learner step from ``metrics.jsonl``, and stops
-every process when the learner finishes, a process fails, or on Ctrl-C.
-Children get SIGTERM if the supervisor itself dies, so none is orphaned.
+shows progress from ``metrics.jsonl`` (:mod:`asyncrl.console`), and stops every
+process when the learner finishes, a process fails, or on a signal.
+
+Supervision, by role:
+
+=========== ================================== =====================================
+role        when it exits                      what the launcher does
+=========== ================================== =====================================
+generator   any status, while the run goes     restart it after a back-off (1 s,
+                                               doubling to 30 s; back to 1 s once it
+                                               stayed up 60 s) with ``--restarts N``
+learner     status 0                           the run is done
+learner     any other status                   stop the run, show its log's tail
+buffer      any status                         stop the run, show its log's tail
+=========== ================================== =====================================
+
+Stopping (completion, failure, SIGINT/SIGTERM/SIGHUP) goes in dependency
+order, all within :data:`STOP_TIMEOUT_S`: generators first (each finishes its
+chunk), then the learner (on SIGTERM it checkpoints its last complete step,
+which needs the buffer), then the buffer; whatever is left is killed, the
+learner's torchrun ranks included. Every child runs in its own session, so a
+Ctrl-C reaches the launcher alone and the stop stays in that order, and it
+gets SIGTERM if the launcher dies (``PR_SET_PDEATHSIG``). The launcher is a
+child subreaper, so a rank orphaned by its torchrun is still its to kill.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import json
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TextIO
+
+import psutil
 
 from asyncrl.config import Config, save_config
+from asyncrl.console import ReplicaHealth, RunConsole, open_console
 from asyncrl.paths import latest_checkpoint
 from asyncrl.security import resolve_keys
 from asyncrl.transport import free_port
 
-STOP_TIMEOUT_S = 10.0
+TICK_S = 0.2
+"""How often the launcher looks at its processes and at ``metrics.jsonl``."""
+STOP_TIMEOUT_S = 15.0
+"""Every process of the run is gone this long after the stop began."""
+STOP_PHASES = (("generators", 4.0), ("learner", 12.0), ("buffer", 14.0))
+"""Seconds into the stop by which each role must have exited after its SIGTERM."""
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+STABLE_AFTER_S = 60.0
+"""A generator up this long before it exits restarts after the first back-off again."""
+LOG_TAIL_LINES = 20
+
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, value)
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def make_run_dir(config: Config, run_dir: Path | None) -> Path:
@@ -51,56 +92,53 @@ def resolve_ports(config: Config) -> Config:
     return config.model_copy(update={"cluster": cluster.model_copy(update=updates)})
 
 
-class Progress:
-    """Prints one line per new record of ``metrics.jsonl``."""
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
-    def __init__(self, path: Path, total_steps: int, out: TextIO = sys.stdout):
-        self.path = path
-        self.total_steps = total_steps
-        self.out = out
-        self.offset = 0
-        self.last: dict | None = None
 
-    def poll(self) -> None:
-        if not self.path.exists():
-            return
-        with self.path.open() as file:
-            file.seek(self.offset)
-            while (line := file.readline()).endswith("\n"):
-                self.offset = file.tell()
-                self.last = json.loads(line)
-                self.out.write(self.format(self.last) + "\n")
-        self.out.flush()
+@dataclass
+class Replica:
+    """A generator slot: the process in it comes and goes, the slot and its history stay."""
 
-    def format(self, m: dict) -> str:
-        return (
-            f"step {m['step'] + 1:>4}/{self.total_steps}  v{m['version']:<4}  "
-            f"reward {m['reward_mean']:.3f}  "
-            f"staleness {m['staleness_mean']:.2f}/{m['staleness_max']:.0f}  "
-            f"samples/s {m['samples_per_s']:.1f}  wait {m['learner_wait_frac']:.0%}"
-        )
+    name: str
+    pool: str
+    index: int
+    restarts: int = 0
+    started_at: float = 0.0
+    restart_at: float | None = None
+    """``time.monotonic()`` at which to start it again; None while it runs."""
+    backoff_s: float = BACKOFF_FIRST_S
+    """The wait before its next restart."""
 
 
 class Supervisor:
-    def __init__(self, config: Config, run_dir: Path):
+    """The run's process table: starts, restarts and stops its processes."""
+
+    def __init__(self, config: Config, run_dir: Path, notify: Callable[[str], None] = _stderr):
         self.config = config
         self.run_dir = run_dir
+        self.notify = notify
+        """Where events (a generator exited, restarted) are reported."""
         self.processes: dict[str, subprocess.Popen] = {}
+        self.replicas: dict[str, Replica] = {}
+
+    # ------------------------------------------------------------------ start
 
     def start(self, name: str, role: str, *extra: str, ranks: int = 1) -> None:
         """Start ``python -m asyncrl.roles ROLE RUN_DIR``; with ``ranks`` > 1 under torchrun."""
-        log_file = (self.run_dir / "logs" / f"{name}.log").open("a")
         command = [sys.executable, "-m", "asyncrl.roles", role, str(self.run_dir), *extra]
         if ranks > 1:
             torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
             command = [*torchrun, f"--nproc-per-node={ranks}", *command[1:]]
-        self.processes[name] = subprocess.Popen(
-            command,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
-        )
+        with self.log_path(name).open("a") as log_file:
+            self.processes[name] = subprocess.Popen(
+                command,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
 
     def start_all(self, resume_from: Path | None = None) -> None:
         resume = ("--resume-from", str(resume_from)) if resume_from else ()
@@ -108,46 +146,195 @@ class Supervisor:
         self.start("learner", "learner", *resume, ranks=self.config.learner.world_size)
         for pool in self.config.generators.resolved_pools():
             for index in range(pool.replicas):
-                name = (
-                    f"generator-{index}"
-                    if pool.name == "default"
-                    else f"generator-{pool.name}-{index}"
-                )
-                self.start(name, "generator", "--index", str(index), "--pool", pool.name)
+                prefix = "generator" if pool.name == "default" else f"generator-{pool.name}"
+                replica = Replica(f"{prefix}-{index}", pool.name, index)
+                self.replicas[replica.name] = replica
+                self._start_generator(replica)
+
+    def _start_generator(self, replica: Replica) -> None:
+        extra = ["--index", str(replica.index), "--pool", replica.pool]
+        if replica.restarts:
+            extra += ["--restarts", str(replica.restarts)]
+            with self.log_path(replica.name).open("a") as log_file:
+                log_file.write(f"---- asyncrl launch: restart {replica.restarts} ----\n")
+        self.start(replica.name, "generator", *extra)
+        replica.started_at = time.monotonic()
+        replica.restart_at = None
+
+    # -------------------------------------------------------------- supervise
+
+    def learner_finished(self) -> bool:
+        return self.processes["learner"].poll() == 0
 
     def failure(self) -> str | None:
-        """A message naming the first process that exited when it should not have."""
+        """A message naming the learner or buffer if it exited when it should not have."""
         for name, process in self.processes.items():
             code = process.poll()
-            if code is None or (name == "learner" and code == 0):
+            if name in self.replicas or code is None or (name == "learner" and code == 0):
                 continue
-            tail = self.log_tail(name)
-            log_path = self.run_dir / "logs" / f"{name}.log"
-            return f"{name} exited with status {code}; last lines of {log_path}:\n{tail}"
+            return (
+                f"{name} exited with status {code}; last lines of {self.log_path(name)}:\n"
+                f"{self.log_tail(name)}"
+            )
         return None
 
-    def log_tail(self, name: str, lines: int = 20) -> str:
-        text = (self.run_dir / "logs" / f"{name}.log").read_text(errors="replace")
+    def restart_generators(self) -> None:
+        """Schedule a restart for each generator that exited; start those whose wait is over."""
+        now = time.monotonic()
+        for replica in self.replicas.values():
+            code = self.processes[replica.name].poll()
+            if replica.restart_at is None and code is not None:
+                self._schedule_restart(replica, code, now)
+            elif replica.restart_at is not None and now >= replica.restart_at:
+                replica.restarts += 1
+                self._start_generator(replica)
+                self.notify(f"asyncrl: {replica.name} started again (restart {replica.restarts})")
+
+    def _schedule_restart(self, replica: Replica, code: int, now: float) -> None:
+        uptime = now - replica.started_at
+        if uptime >= STABLE_AFTER_S:
+            replica.backoff_s = BACKOFF_FIRST_S
+        delay = replica.backoff_s
+        replica.backoff_s = min(2 * delay, BACKOFF_MAX_S)
+        replica.restart_at = now + delay
+        self.notify(
+            f"asyncrl: {replica.name} exited with status {code} after {uptime:.1f}s; "
+            f"restarting it in {delay:.0f}s; last lines of {self.log_path(replica.name)}:\n"
+            f"{self.log_tail(replica.name, 3)}"
+        )
+
+    def health(self) -> list[ReplicaHealth]:
+        def state(replica: Replica) -> str:
+            if replica.restart_at is not None:
+                return "restarting"
+            return "alive" if self.processes[replica.name].poll() is None else "stopped"
+
+        return [ReplicaHealth(r.pool, r.name, state(r), r.restarts) for r in self.replicas.values()]
+
+    def log_path(self, name: str) -> Path:
+        return self.run_dir / "logs" / f"{name}.log"
+
+    def log_tail(self, name: str, lines: int = LOG_TAIL_LINES) -> str:
+        text = self.log_path(name).read_text(errors="replace")
         return "\n".join("    " + line for line in text.splitlines()[-lines:])
 
-    def stop_all(self) -> None:
+    # ------------------------------------------------------------------- stop
+
+    def stop_all(self, hurry: Callable[[], bool] = lambda: False) -> None:
+        """Stop every process in dependency order, all within :data:`STOP_TIMEOUT_S`.
+
+        ``hurry`` returning True (a second Ctrl-C) skips the waits: what is
+        left is killed at once.
+        """
+        started = time.monotonic()
+        for replica in self.replicas.values():
+            replica.restart_at = None  # no restarts from here on
+        descendants = self._descendants()  # torchrun's ranks, reward workers: killed last
+        roles = {
+            "generators": [name for name in self.processes if name in self.replicas],
+            "learner": ["learner"],
+            "buffer": ["buffer"],
+        }
+        for role, by_s in STOP_PHASES:
+            running = [
+                self.processes[name]
+                for name in roles[role]
+                if name in self.processes and self.processes[name].poll() is None
+            ]
+            for process in running:
+                process.send_signal(signal.SIGTERM)
+            _wait_all(running, started + by_s, hurry)
         for process in self.processes.values():
             if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for process in self.processes.values():
-            try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        _kill_all(descendants)
+
+    def _descendants(self) -> list[psutil.Process]:
+        found = []
+        for process in self.processes.values():
+            if process.poll() is None:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    found += psutil.Process(process.pid).children(recursive=True)
+        return found
 
 
-def launch(config: Config, run_dir: Path | None = None, resume: bool = False) -> int:
+def _wait_all(processes: list[subprocess.Popen], deadline: float, hurry: Callable[[], bool]):
+    while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+        if hurry():
+            return
+        time.sleep(0.05)
+
+
+def _kill_all(processes: list[psutil.Process]) -> None:
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()  # psutil checks that the pid still names the same process
+    psutil.wait_procs(processes, timeout=2)
+
+
+def _kill_orphans() -> None:
+    """Kill descendants left to the launcher as subreaper (none when every stop went well)."""
+    _kill_all(psutil.Process().children(recursive=True))
+
+
+class Interrupted(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopSignals:
+    """SIGINT, SIGTERM and SIGHUP stop the run: the first one raises :class:`Interrupted`
+    in the main loop; once stopping, further ones only ask the stop to hurry."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self.hurried = False
+        self.previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        for sig in self.SIGNALS:
+            self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *_) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, _frame) -> None:
+        if self.stopping:
+            self.hurried = True
+            return
+        self.stopping = True
+        raise Interrupted(signum)
+
+    def hurry(self) -> bool:
+        """True once a signal came after the stop began."""
+        return self.hurried
+
+
+def supervise(supervisor: Supervisor, console: RunConsole) -> str | None:
+    """Watch the run until the learner is done; the failure message if a process failed."""
+    while not supervisor.learner_finished():
+        if (failure := supervisor.failure()) is not None:
+            return failure
+        supervisor.restart_generators()
+        console.update(supervisor.health())
+        time.sleep(TICK_S)
+    return supervisor.failure()
+
+
+def launch(
+    config: Config, run_dir: Path | None = None, resume: bool = False, quiet: bool = False
+) -> int:
     """Run to completion; returns the exit status for the command line.
 
     With ``resume``, ``run_dir`` is an earlier run: it continues from its newest
-    complete checkpoint, with fresh ports.
+    complete checkpoint, with fresh ports. ``quiet`` prints one line per step
+    instead of the live panel.
     """
     resume_from = None
     if resume:
@@ -159,31 +346,53 @@ def launch(config: Config, run_dir: Path | None = None, resume: bool = False) ->
     run_dir = make_run_dir(config, run_dir)
     config = resolve_ports(config)
     save_config(config, run_dir / "config.yaml")
-    print(f"run dir: {run_dir}", flush=True)
-    if resume_from is not None:
-        print(f"resuming from {resume_from}", flush=True)
-    supervisor = Supervisor(config, run_dir)
-    progress = Progress(run_dir / "metrics.jsonl", config.run.total_steps)
-    started = time.perf_counter()
-    try:
-        supervisor.start_all(resume_from)
-        while supervisor.processes["learner"].poll() is None:
-            progress.poll()
-            if (message := supervisor.failure()) is not None:
-                print(f"asyncrl: run failed: {message}", file=sys.stderr, flush=True)
-                return 1
-            time.sleep(0.2)
-        progress.poll()
-        if (message := supervisor.failure()) is not None:
-            print(f"asyncrl: run failed: {message}", file=sys.stderr, flush=True)
-            return 1
-    except KeyboardInterrupt:
-        print("asyncrl: interrupted, stopping every process", file=sys.stderr, flush=True)
-        return 130
-    finally:
-        supervisor.stop_all()
-    print(
-        f"done in {time.perf_counter() - started:.1f}s; final policy in {run_dir / 'final'}",
-        flush=True,
-    )
-    return 0
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    started = time.time()
+    steps_done = int(resume_from.name.removeprefix("step-")) if resume_from else 0
+    with open_console(config, run_dir, quiet, steps_done) as console:
+        console.note(f"run dir: {run_dir}")
+        if resume_from is not None:
+            console.note(f"resuming from {resume_from}")
+        supervisor = Supervisor(config, run_dir, notify=lambda text: console.note(text, True))
+        with StopSignals() as signals:
+            try:
+                supervisor.start_all(resume_from)
+                failure = supervise(supervisor, console)
+                status = 0 if failure is None else 1
+            except Interrupted as interrupt:
+                console.note(
+                    f"asyncrl: {interrupt}: stopping every process "
+                    "(the learner first checkpoints its last complete step)",
+                    error=True,
+                )
+                failure, status = None, 128 + interrupt.signum
+            finally:
+                signals.stopping = True  # from here a signal only hurries the stop
+                supervisor.stop_all(hurry=signals.hurry)
+                _kill_orphans()
+        console.update(supervisor.health())  # the steps logged while stopping
+        if status == 0 and not _wrote_final_policy(run_dir, started):
+            failure, status = "the learner exited before run.total_steps without an error", 1
+        message = _closing_message(run_dir, status, failure, time.time() - started)
+        console.note(message, error=status != 0)
+    return status
+
+
+def _wrote_final_policy(run_dir: Path, since: float) -> bool:
+    final = run_dir / "final" / "config.json"
+    return final.exists() and final.stat().st_mtime >= since
+
+
+def _closing_message(run_dir: Path, status: int, failure: str | None, elapsed_s: float) -> str:
+    if status == 0:
+        return f"done in {elapsed_s:.1f}s; final policy in {run_dir / 'final'}"
+    lines = [f"asyncrl: run failed: {failure}" if failure else "asyncrl: stopped"]
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        lines.append("asyncrl: no complete checkpoint was written, so the run cannot be resumed")
+    else:
+        lines.append(
+            f"asyncrl: continue the run from {checkpoint.name} with: "
+            f"asyncrl launch --resume {run_dir}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,225 @@
+"""What ``asyncrl launch`` shows while a run goes, fed from ``RUN_DIR/metrics.jsonl``.
+
+Two views with one interface (``update``, ``note``, ``close``), chosen by
+:func:`open_console`:
+
+- :class:`LiveConsole` (a terminal): a ``rich`` live panel with step/total,
+  ETA, version, reward, staleness, samples/s, the learner's wait fraction,
+  buffer fill, and per-pool replica health from the launcher's own process
+  table (alive, restarting, restart count).
+- :class:`PlainConsole` (``--quiet``, or stdout is not a terminal): one line per
+  learner step, in a fixed format that scripts and tests parse::
+
+      step   12/600  v12    reward 0.063  staleness 1.00/1  samples/s 1949.1  wait 32%
+
+Events (a generator restarted, the run stopping) go through ``note`` in both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, TextIO
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+from rich.text import Text
+
+from asyncrl.config import Config
+
+
+@dataclass(frozen=True)
+class ReplicaHealth:
+    """One generator replica as the launcher sees it."""
+
+    pool: str
+    name: str
+    state: str
+    """``alive``, ``restarting`` (waiting out its back-off) or ``stopped``."""
+    restarts: int
+
+
+class MetricsFollower:
+    """New records of ``metrics.jsonl`` since the last call.
+
+    It starts at the file's current end, so a resumed run shows its own steps
+    only, and it reads whole lines only (the learner may be mid-write).
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = path.stat().st_size if path.exists() else 0
+
+    def poll(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        records = []
+        with self.path.open() as file:
+            file.seek(self.offset)
+            while (line := file.readline()).endswith("\n"):
+                self.offset = file.tell()
+                with contextlib.suppress(json.JSONDecodeError):  # a line cut by a crash
+                    records.append(json.loads(line))
+        return records
+
+
+def step_line(record: dict, total_steps: int) -> str:
+    """The plain view's line for one learner step (its format is an interface: keep it)."""
+    m = record
+    return (
+        f"step {m['step'] + 1:>4}/{total_steps}  v{m['version']:<4}  "
+        f"reward {m['reward_mean']:.3f}  "
+        f"staleness {m['staleness_mean']:.2f}/{m['staleness_max']:.0f}  "
+        f"samples/s {m['samples_per_s']:.1f}  wait {m['learner_wait_frac']:.0%}"
+    )
+
+
+class RunConsole(Protocol):
+    def update(self, health: list[ReplicaHealth]) -> None:
+        """Show the steps logged since the last call and the replicas' health."""
+
+    def note(self, message: str, error: bool = False) -> None:
+        """An event worth a line of its own; ``error`` sends it to stderr."""
+
+    def close(self) -> None: ...
+
+
+class PlainConsole:
+    """One line per learner step; health is only reported through ``note``."""
+
+    def __init__(
+        self, metrics: Path, total_steps: int, out: TextIO = sys.stdout, err: TextIO = sys.stderr
+    ):
+        self.follower = MetricsFollower(metrics)
+        self.total_steps = total_steps
+        self.out = out
+        self.err = err
+
+    def update(self, health: list[ReplicaHealth]) -> None:
+        for record in self.follower.poll():
+            self.out.write(step_line(record, self.total_steps) + "\n")
+        self.out.flush()
+
+    def note(self, message: str, error: bool = False) -> None:
+        stream = self.err if error else self.out
+        stream.write(message + "\n")
+        stream.flush()
+
+    def close(self) -> None:
+        self.out.flush()
+
+
+class LiveConsole:
+    """A ``rich`` panel redrawn in place; notes scroll above it."""
+
+    def __init__(self, metrics: Path, config: Config, run_dir: Path, steps_done: int = 0):
+        self.follower = MetricsFollower(metrics)
+        self.config = config
+        self.title = f"asyncrl · {config.run.name} · {run_dir}"
+        self.held_limit = config.buffer.max_held_samples or 4 * config.algorithm.samples_per_step
+        self.last: dict | None = None
+        self.health: list[ReplicaHealth] = []
+        self.progress = Progress(
+            TextColumn("step"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+        )
+        self.task = self.progress.add_task(
+            "steps", total=config.run.total_steps, completed=steps_done
+        )
+        self.console = Console()
+        self.errors = Console(stderr=True)
+        self.live = Live(self.render(), console=self.console, refresh_per_second=4)
+        self.live.start()
+
+    def update(self, health: list[ReplicaHealth]) -> None:
+        records = self.follower.poll()
+        if records:
+            self.progress.update(self.task, completed=records[-1]["step"] + 1)
+            self.last = records[-1]
+        self.health = health
+        self.live.update(self.render())
+
+    def note(self, message: str, error: bool = False) -> None:
+        (self.errors if error else self.console).print(Text(message))
+
+    def close(self) -> None:
+        self.live.stop()
+
+    def render(self) -> Group:
+        return Group(Text(self.title, style="bold"), self.progress, self.figures(), self.pools())
+
+    def figures(self) -> Table:
+        table = Table.grid(padding=(0, 1))
+        m = self.last
+        if m is None:
+            table.add_row(Text("waiting for the first learner step…", style="dim"))
+            return table
+        held = m.get("buffer_held", 0.0)
+        for _ in range(3):
+            table.add_column(style="dim")
+            table.add_column(style="bold", min_width=12)
+        table.add_row(
+            "version", str(m["version"]),
+            "reward", f"{m['reward_mean']:.3f}",
+            "staleness", f"{m['staleness_mean']:.2f} mean, {m['staleness_max']:.0f} max",
+        )  # fmt: skip
+        table.add_row(
+            "samples/s", f"{m['samples_per_s']:.1f}",
+            "learner wait", f"{m['learner_wait_frac']:.0%}",
+            "buffer", f"{held:.0f}/{self.held_limit} samples ({held / self.held_limit:.0%})",
+        )  # fmt: skip
+        return table
+
+    def pools(self) -> Table:
+        table = Table("pool", "replicas", "alive", "restarting", "restarts", box=None)
+        by_pool: dict[str, list[ReplicaHealth]] = {}
+        for replica in self.health:
+            by_pool.setdefault(replica.pool, []).append(replica)
+        for pool, replicas in by_pool.items():
+            alive = sum(r.state == "alive" for r in replicas)
+            restarting = sum(r.state == "restarting" for r in replicas)
+            table.add_row(
+                pool,
+                str(len(replicas)),
+                Text(str(alive), style="green" if alive == len(replicas) else "yellow"),
+                Text(str(restarting), style="yellow" if restarting else ""),
+                str(sum(r.restarts for r in replicas)),
+            )
+        return table
+
+
+@contextlib.contextmanager
+def open_console(
+    config: Config, run_dir: Path, quiet: bool, steps_done: int = 0
+) -> Iterator[RunConsole]:
+    """The live panel on a terminal; plain lines with ``quiet`` or when output is redirected.
+
+    ``steps_done``: where a resumed run starts, so the bar and the ETA start there.
+    """
+    metrics = run_dir / "metrics.jsonl"
+    console: RunConsole
+    if quiet or not sys.stdout.isatty():
+        console = PlainConsole(metrics, config.run.total_steps)
+    else:
+        console = LiveConsole(metrics, config, run_dir, steps_done)
+    try:
+        yield console
+    finally:
+        console.close()
