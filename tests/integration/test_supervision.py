@@ -1,0 +1,198 @@
+"""Faults under `asyncrl launch`: a generator killed, the launcher signalled, the whole run killed.
+
+Each test starts the real command on the quickstart config (shortened), injects
+the fault from outside as an operator or the OS would, and checks what
+survives: the groups the learner trained (``trained_groups.jsonl``), the
+checkpoints, the metrics, and that no process of the run is left.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from asyncrl.launch import STOP_TIMEOUT_S
+from asyncrl.paths import latest_checkpoint
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS_PER_STEP = 32  # configs/quickstart.yaml
+COMMON = ("tracking.aim=false", "buffer.heartbeat_timeout_s=3")
+
+
+class Launch:
+    """`asyncrl launch --quiet ...` in the background, its output in files."""
+
+    def __init__(self, run_dir: Path, *args: str):
+        self.run_dir = run_dir
+        self.out = run_dir.parent / f"{run_dir.name}.out"
+        self.err = run_dir.parent / f"{run_dir.name}.err"
+        command = [sys.executable, "-m", "asyncrl", "launch", "--quiet", *args]
+        with self.out.open("a") as out, self.err.open("a") as err:
+            self.process = subprocess.Popen(
+                command, stdout=out, stderr=err, cwd=REPO, start_new_session=True
+            )
+
+    def wait_for_step(self, steps: int, timeout_s: float = 120) -> None:
+        """Until ``steps`` learner steps are in metrics.jsonl (counting every attempt)."""
+        deadline = time.monotonic() + timeout_s
+        while len(read_metrics(self.run_dir)) < steps:
+            assert self.process.poll() is None, self.stderr()
+            assert time.monotonic() < deadline, f"no step {steps} within {timeout_s}s"
+            time.sleep(0.1)
+
+    def wait(self, timeout_s: float = 180) -> int:
+        return self.process.wait(timeout=timeout_s)
+
+    def tree(self) -> list[psutil.Process]:
+        """The launcher and every process under it."""
+        launcher = psutil.Process(self.process.pid)
+        return [launcher, *launcher.children(recursive=True)]
+
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+    def stdout(self) -> str:
+        return self.out.read_text()
+
+    def kill(self) -> None:
+        """Whatever is left, after a failed assertion."""
+        if self.process.poll() is None:
+            for process in self.tree():
+                process.kill()
+            self.process.wait()
+
+
+def start(tmp_path: Path, *overrides: str) -> Launch:
+    run_dir = tmp_path / "run"
+    return Launch(run_dir, str(REPO / "configs/quickstart.yaml"), *COMMON, *overrides,
+                  "--run-dir", str(run_dir))  # fmt: skip
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def trained_groups(run_dir: Path) -> dict[int, list[int]]:
+    """Step -> the group ids trained in it; after a resume the last record of a step counts."""
+    steps = {}
+    for line in (run_dir / "trained_groups.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        steps[record["step"]] = record["group_ids"]
+    return steps
+
+
+def processes_of(run_dir: Path) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if str(run_dir) in " ".join(process.info["cmdline"] or []):
+            found.append(process)
+    return found
+
+
+def assert_each_group_trained_once(steps: dict[int, list[int]], total_steps: int) -> list[int]:
+    assert sorted(steps) == list(range(total_steps))
+    assert all(len(groups) == PROMPTS_PER_STEP for groups in steps.values())
+    trained = [group for groups in steps.values() for group in groups]
+    assert len(set(trained)) == len(trained) == total_steps * PROMPTS_PER_STEP, "a repeat"
+    return trained
+
+
+def test_a_killed_generator_is_restarted_and_the_run_trains_every_group(tmp_path):
+    # One replica: the steps after the kill can only come from its restarted process,
+    # so the restart must show in the metrics however slowly that process starts.
+    run = start(tmp_path, "run.total_steps=30", "generators.replicas=1")
+    try:
+        run.wait_for_step(3)
+        [victim] = [p for p in processes_of(run.run_dir) if p.cmdline()[3:4] == ["generator"]]
+        victim.kill()
+        assert run.wait() == 0, run.stderr()
+    finally:
+        run.kill()
+
+    assert "generator-0 exited with status -9" in run.stderr()
+    assert "generator-0 started again (restart 1)" in run.stderr()
+    assert "step   30/30" in run.stdout()
+    records = read_metrics(run.run_dir)
+    assert [r["version"] for r in records] == list(range(1, 31))
+    # the restarted replica (gen-0-r1) reported its restart count through the buffer
+    assert records[-1]["generators_restarts_total"] == 1
+    assert records[-1]["pool_default_restarts_total"] == 1
+    assert_each_group_trained_once(trained_groups(run.run_dir), 30)
+    assert processes_of(run.run_dir) == []
+
+
+@pytest.mark.parametrize(
+    ("stop_signal", "status", "ranks"),
+    [(signal.SIGINT, 130, 1), (signal.SIGTERM, 143, 2)],
+    ids=["sigint", "sigterm-torchrun"],
+)
+def test_a_signal_stops_every_process_after_a_final_checkpoint(
+    tmp_path, stop_signal, status, ranks
+):
+    # checkpoint_every=1000: any checkpoint is the one written on the signal
+    run = start(tmp_path, "run.total_steps=1000", "learner.checkpoint_every=1000",
+                f"learner.world_size={ranks}")  # fmt: skip
+    try:
+        run.wait_for_step(4)
+        processes = run.tree()
+        assert len(processes) >= 5 + (ranks > 1) * ranks  # launcher, buffer, learner, generators
+        run.process.send_signal(stop_signal)
+        # the launcher kills what is left at STOP_TIMEOUT_S; a little slack for the kill itself
+        assert run.wait(timeout_s=STOP_TIMEOUT_S + 5) == status, run.stderr()
+    finally:
+        run.kill()
+
+    assert psutil.wait_procs(processes, timeout=1)[1] == []
+    assert processes_of(run.run_dir) == []
+    steps_done = len(read_metrics(run.run_dir))
+    checkpoint = latest_checkpoint(run.run_dir)
+    assert checkpoint is not None and checkpoint.name == f"step-{steps_done:06d}", run.stderr()
+    assert json.loads((checkpoint / "trainer.json").read_text())["step"] == steps_done
+    assert (checkpoint / "buffer.json").exists()
+    assert "stopped by a signal" in (run.run_dir / "logs" / "learner.log").read_text()
+    assert f"asyncrl launch --resume {run.run_dir}" in run.stderr()
+
+
+def test_a_run_killed_outright_resumes_without_repeating_or_skipping_a_prompt(tmp_path):
+    run = start(tmp_path, "run.total_steps=30", "learner.checkpoint_every=5")
+    try:
+        run.wait_for_step(13)  # past the checkpoint at 10, so some trained steps are lost
+        processes = run.tree()
+        for process in processes:  # as a power cut would: nothing gets to clean up
+            process.kill()
+        psutil.wait_procs(processes, timeout=10)
+    finally:
+        run.kill()
+    checkpoint = latest_checkpoint(run.run_dir)
+    assert checkpoint is not None
+    first_attempt = read_metrics(run.run_dir)
+
+    resumed = Launch(run.run_dir, "--resume", str(run.run_dir), *COMMON)
+    try:
+        assert resumed.wait() == 0, resumed.stderr()
+    finally:
+        resumed.kill()
+
+    assert f"resuming from {checkpoint}" in resumed.stdout()
+    trained = assert_each_group_trained_once(trained_groups(run.run_dir), 30)
+    # Nothing skipped: every prompt handed out is trained or still waiting in the buffer
+    # (dispatched, or ready and not yet served) at the final checkpoint.
+    final = json.loads((run.run_dir / "checkpoints/step-000030/buffer.json").read_text())
+    waiting = set(final["unfinished_groups"])
+    assert waiting.isdisjoint(trained)
+    assert waiting | set(trained) == set(range(final["cursor"]))
+    # ... which holds only if no group left without training (stale, filtered)
+    second_attempt = read_metrics(run.run_dir)[len(first_attempt) :]
+    for records in (first_attempt, second_attempt):
+        assert records[-1]["buffer_dropped_stale"] == records[-1]["buffer_filtered"] == 0
+    assert processes_of(run.run_dir) == []
