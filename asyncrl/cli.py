@@ -42,6 +42,22 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("config", type=Path)
     validate.add_argument("overrides", nargs="*")
 
+    generator = commands.add_parser(
+        "generator", help="start a generator replica that joins a live run"
+    )
+    generator.add_argument("--config", type=Path, required=True, help="the run's config")
+    generator.add_argument(
+        "--buffer", required=True, metavar="tcp://HOST:PORT", help="the run's buffer endpoint"
+    )
+    generator.add_argument("--pool", default="default", help="the pool whose settings it uses")
+    generator.add_argument(
+        "--work-dir", type=Path, default=Path("asyncrl-generators"), help="engine scratch files"
+    )
+    generator.add_argument("overrides", nargs="*", help="key.path=value")
+
+    status = commands.add_parser("status", help="roles, versions, buffer and recent metrics")
+    status.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+
     keys = commands.add_parser(
         "keys", help="create the CURVE keys a run needs to listen beyond 127.0.0.1"
     )
@@ -66,11 +82,31 @@ def _keys(directory: Path, force: bool) -> int:
     return 0
 
 
+def _generator(config, buffer: str, pool: str, work_dir: Path) -> int:
+    import logging
+
+    from asyncrl.generators.worker import join
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s generator %(levelname)s %(name)s: %(message)s"
+    )
+    pools = [p.name for p in config.generators.resolved_pools()]
+    if pool not in pools:
+        print(f"asyncrl: --pool {pool!r} is not in the config; its pools: {pools}", file=sys.stderr)
+        return 2
+    join(config, buffer, pool, work_dir)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "keys":
         return _keys(args.dir, args.force)
+    if args.command == "status":
+        from asyncrl.status import show
+
+        return show(args.run_dir)
     resume = getattr(args, "resume", None)
     if args.command == "launch":
         if resume is not None and args.run_dir is not None:
@@ -94,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
         return 0
+    if args.command == "generator":
+        return _generator(config, args.buffer, args.pool, args.work_dir)
     from asyncrl.launch import launch
     from asyncrl.security import SecurityError
 

@@ -140,6 +140,45 @@ class Ack(_Body, tag="ack"):
     rejected: int = 0
 
 
+class Join(_Body, tag="join"):
+    """A generator started outside the launcher (``asyncrl generator``) joins a live run.
+
+    Answered with :class:`Joined`: where the weights are published, so the
+    joining replica needs nothing but the buffer's address.
+    """
+
+    generator_id: str
+    pool: str = "default"
+
+
+class Joined(_Body, tag="joined"):
+    weights_port: int
+    """The learner's weight endpoint listens on this port, at the buffer's host."""
+    policy_version: int
+    run_name: str = ""
+
+
+class Leave(_Body, tag="leave"):
+    """A generator stops: its unfinished groups go back to the queue now rather than
+    after ``buffer.heartbeat_timeout_s`` of silence (answered with an Ack)."""
+
+    generator_id: str
+
+
+class StatusRequest(_Body, tag="status_request"):
+    """``asyncrl status`` asks a live buffer for its state (answered with :class:`Status`)."""
+
+
+class Status(_Body, tag="status"):
+    policy_version: int
+    stats: dict[str, float]
+    """The buffer's counters (``buffer_*``) and the generators' summaries."""
+    generators: dict[str, dict[str, float]]
+    """Per generator id: ``seen_s_ago``, and its latest counters."""
+    pools: dict[str, str]
+    """Generator id -> pool."""
+
+
 # --------------------------------------------------------------------------
 # learner <-> buffer
 
@@ -268,6 +307,11 @@ Message = (
     | Trajectories
     | Heartbeat
     | Ack
+    | Join
+    | Joined
+    | Leave
+    | StatusRequest
+    | Status
     | BatchRequest
     | SaveBufferState
     | ErrorReply

@@ -38,7 +38,12 @@ from asyncrl.messages import (
     BatchRequest,
     ErrorReply,
     Heartbeat,
+    Join,
+    Joined,
+    Leave,
     SaveBufferState,
+    Status,
+    StatusRequest,
     Trajectories,
     TrajectoryMeta,
     WireError,
@@ -80,8 +85,8 @@ class BufferService:
         """Identity of the learner waiting for a batch, if any."""
         self.stopping = asyncio.Event()
         self.generator_stats: dict[str, dict[str, float]] = {}
-        self.generator_pools: dict[str, str] = {}
         """Each generator's latest counters (weight swaps, latency, reward errors)."""
+        self.generator_pools: dict[str, str] = {}
 
     async def serve_loop(self) -> None:
         """Serve until ``stopping`` is set, then close the socket and the context."""
@@ -143,6 +148,24 @@ class BufferService:
             case Heartbeat(generator_id=generator_id):
                 self.store.heartbeat(generator_id, now)
                 await self._reply(identity, Ack(accepted=0))
+            case Join(generator_id=generator_id, pool=pool):
+                self.store.heartbeat(generator_id, now)
+                self.generator_pools[generator_id] = pool
+                log.info("generator %s (pool %s) joined", generator_id, pool)
+                joined = Joined(
+                    self.config.cluster.weights_port,
+                    self.store.policy_version,
+                    self.config.run.name,
+                )
+                await self._reply(identity, joined)
+            case Leave(generator_id=generator_id):
+                requeued = self.store.leave(generator_id)
+                log.info(
+                    "generator %s left; %d unfinished group(s) requeued", generator_id, requeued
+                )
+                await self._reply(identity, Ack(accepted=requeued))
+            case StatusRequest():
+                await self._reply(identity, self._status(now))
             case BatchRequest(policy_version=version):
                 self.store.set_policy_version(version)
                 self.pending_batch = identity
@@ -154,6 +177,14 @@ class BufferService:
                 raise WireError(
                     "unexpected_type", f"the buffer does not serve {type(body).__name__}"
                 )
+
+    def _status(self, now: float) -> Status:
+        stats = self.store.stats(now) | generators_summary(self.generator_stats)
+        generators = {
+            generator_id: {"seen_s_ago": now - seen, **self.generator_stats.get(generator_id, {})}
+            for generator_id, seen in self.store.last_seen.items()
+        }
+        return Status(self.store.policy_version, stats, generators, dict(self.generator_pools))
 
     def _save_state(self, step: int) -> None:
         if self.run_dir is None:

@@ -221,6 +221,17 @@ class BufferStore:
                 self._requeue(group)
         return expired
 
+    def leave(self, generator_id: str) -> int:
+        """``generator_id`` stopped on purpose: requeue its unfinished groups now.
+
+        Returns how many were requeued (counted like expiry's, as ``requeued_groups``)."""
+        self.last_seen.pop(generator_id, None)
+        groups = [g for g in self.in_flight.values() if g.generator_id == generator_id]
+        for group in groups:
+            self._requeue(group)
+        self.counters["generators_left"] += 1
+        return len(groups)
+
     def _requeue(self, group: Group) -> None:
         del self.in_flight[group.item.group_id]
         self.counters["discarded_requeue"] += len(group.samples)

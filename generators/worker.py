@@ -19,10 +19,15 @@ busy generating for a dead one and requeues its groups.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 import torch
@@ -35,6 +40,9 @@ from asyncrl.generators.episodes import Episodes
 from asyncrl.messages import (
     Ack,
     Heartbeat,
+    Join,
+    Joined,
+    Leave,
     Trajectories,
     TrajectoryMeta,
     WorkGrant,
@@ -48,6 +56,8 @@ from asyncrl.weights import WeightClient
 
 log = logging.getLogger("asyncrl.generator")
 
+LEAVE_TIMEOUT_S = 2.0
+"""How long a stopping replica waits for the buffer to acknowledge that it leaves."""
 SCORE_WAIT_S = 0.005
 """How long ``send`` waits for the scores it just asked for; later ones go with a later send."""
 
@@ -59,14 +69,16 @@ class GeneratorReplica:
         generator_id: str,
         backend: Backend,
         context: zmq.Context,
-        pool: str = "default",
+        pool: str,
+        buffer: RequestClient,
+        weights_endpoint: str,
     ):
         self.config = config
         self.generator_id = generator_id
         self.pool = pool
         self.backend = backend
-        self.buffer = RequestClient(context, tcp(config.cluster.host, config.cluster.buffer_port))
-        self.weights = WeightClient(context, tcp(config.cluster.host, config.cluster.weights_port))
+        self.buffer = buffer
+        self.weights = WeightClient(context, weights_endpoint)
         self.active: list[Rollout] = []
         self.stopping = False
         self.last_contact = float("-inf")
@@ -125,6 +137,14 @@ class GeneratorReplica:
             scored.set_result(score)
             self.scoring.append((rollout, scored))
         self.stats.update({f"env_{key}": value for key, value in self.episodes.stats.items()})
+
+    def leave(self) -> None:
+        """Tell the buffer this replica stops, so its unfinished groups are requeued now."""
+        try:
+            ack, _ = self.buffer.request(Leave(self.generator_id), timeout_s=LEAVE_TIMEOUT_S)
+            log.info("left the run; %d unfinished group(s) handed back", ack.accepted)
+        except (TimeoutError, zmq.ZMQError) as error:  # the buffer is gone: nothing to tell
+            log.info("could not say goodbye to the buffer: %s", error)
 
     def heartbeat(self) -> None:
         """Tell the buffer this replica is alive, unless another request just did."""
@@ -276,6 +296,54 @@ def run(
     pool: str = "default",
     restarts: int = 0,
 ) -> None:
+    """A replica the launcher started: endpoints from the run's config."""
+    cluster = config.cluster
+    work_dir = run_dir / (
+        f"generator-{replica_index}" if pool == "default" else f"generator-{pool}-{replica_index}"
+    )
+    serve(
+        config,
+        generator_id(pool, replica_index, restarts),
+        pool,
+        tcp(cluster.host, cluster.buffer_port),
+        lambda _joined: tcp(cluster.host, cluster.weights_port),
+        work_dir,
+        seed=config.run.seed * 1000 + replica_index + 1 + 7919 * restarts,
+        restarts=restarts,
+    )
+
+
+def join(config: Config, buffer_endpoint: str, pool: str, work_dir: Path) -> None:
+    """A replica started by hand (``asyncrl generator``) that joins a live run: the buffer
+    tells it where the weights are published (at the buffer's host)."""
+    host = urlsplit(buffer_endpoint).hostname
+    if not buffer_endpoint.startswith("tcp://") or host is None:
+        raise ValueError(f"--buffer must look like tcp://HOST:PORT, got {buffer_endpoint!r}")
+    name = f"{pool}-{socket.gethostname()}-{os.getpid()}"
+    serve(
+        config,
+        name,
+        pool,
+        buffer_endpoint,
+        lambda joined: tcp(host, joined.weights_port),
+        work_dir / name,
+        seed=config.run.seed * 1000 + os.getpid(),
+    )
+
+
+def serve(
+    config: Config,
+    name: str,
+    pool: str,
+    buffer_endpoint: str,
+    weights_endpoint: Callable[[Joined], str],
+    work_dir: Path,
+    *,
+    seed: int,
+    restarts: int = 0,
+) -> None:
+    """Build the backend, join the run at ``buffer_endpoint``, generate until stopped,
+    then leave (so the buffer hands this replica's unfinished groups out at once)."""
     config = pool_config(config, pool)
     if config.environment is not None:  # a model turn ends at the turn marker
         end_of_turn = FORMATTERS[config.environment.formatter]().end_of_turn
@@ -283,29 +351,39 @@ def run(
         generators = config.generators.model_copy(update={"stop": stop})
         config = config.model_copy(update={"generators": generators})
     torch.set_num_threads(config.generators.num_threads)
-    seed = config.run.seed * 1000 + replica_index + 1 + 7919 * restarts
     model, tokenizer = build_policy(config.model, config.run.seed)
     torch.manual_seed(seed)
     context = client_context(config.cluster)
-    name = generator_id(pool, replica_index, restarts)
-    # the vLLM backend writes the model to this replica's directory and loads it from there
-    work_dir = run_dir / (
-        f"generator-{replica_index}" if pool == "default" else f"generator-{pool}-{replica_index}"
-    )
-    backend = build_backend(config, model, tokenizer, work_dir, seed)
-    replica = GeneratorReplica(config, name, backend, context, pool)
-    replica.stats["restarts"] = restarts
+    replica = None
+    stopping = threading.Event()
 
     def stop(*_):
-        replica.stopping = True
+        stopping.set()
+        if replica is not None:
+            replica.stopping = True
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    # the vLLM backend writes the model to this replica's directory and loads it from there
+    backend = build_backend(config, model, tokenizer, work_dir, seed)
     try:
-        replica.run_loop()
+        buffer = RequestClient(context, buffer_endpoint)
+        joined, _ = buffer.request(Join(name, pool))
+        if not isinstance(joined, Joined):
+            raise RuntimeError(f"the buffer at {buffer_endpoint} answered Join with {joined!r}")
+        log.info("%s joined run %r at version %d", name, joined.run_name, joined.policy_version)
+        replica = GeneratorReplica(
+            config, name, backend, context, pool, buffer, weights_endpoint(joined)
+        )
+        replica.stats["restarts"] = restarts
+        replica.stopping = stopping.is_set()
+        try:
+            replica.run_loop()
+        finally:
+            replica.leave()
+            replica.scorer.close()
+            if replica.episodes is not None:
+                replica.episodes.close()
     finally:
-        replica.scorer.close()
-        if replica.episodes is not None:
-            replica.episodes.close()
         backend.close()
         context.destroy(linger=0)

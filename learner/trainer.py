@@ -47,6 +47,7 @@ from asyncrl.learner.update import Update
 from asyncrl.messages import Ack, BatchRequest, SaveBufferState, Trajectories
 from asyncrl.models import build_policy
 from asyncrl.paths import checkpoint_dir
+from asyncrl.security import client_context, curve_keys
 from asyncrl.tracking import Tracker
 from asyncrl.transport import RequestClient, tcp
 from asyncrl.weights import WeightPublisher
@@ -304,9 +305,12 @@ class _MainRank:
 
     def __init__(self, config: Config, run_dir: Path, learner: Learner, cleanup: ExitStack):
         self.config = config
-        self.context = zmq.Context()
+        self.context = client_context(config.cluster)
         cleanup.callback(self.context.destroy, linger=0)
-        self.publisher = WeightPublisher(tcp(config.cluster.host, config.cluster.weights_port))
+        self.publisher = WeightPublisher(
+            tcp(config.cluster.bind_address, config.cluster.weights_port),
+            curve=curve_keys(config.cluster),
+        )
         cleanup.callback(self.publisher.close)
         self.buffer = BufferClient(
             self.context,
@@ -336,7 +340,8 @@ class _MainRank:
         self.samples_total += batch.num_samples
         self.wait_total += wait_s
         elapsed = time.perf_counter() - self.started
-        staleness = (version - batch.versions).float()
+        made = batch.versions != torch.iinfo(batch.versions.dtype).max  # any model token?
+        staleness = (version - batch.versions[made]).float() if made.any() else torch.zeros(1)
         tokens = int(batch.attention_mask.sum())
         groups = sorted(set(batch.group_ids.tolist()))
         record = {"step": version, "version": version + 1, "group_ids": groups}

@@ -17,6 +17,11 @@ from asyncrl.messages import (
     Ack,
     BatchRequest,
     Heartbeat,
+    Join,
+    Joined,
+    Leave,
+    Status,
+    StatusRequest,
     Trajectories,
     TrajectoryMeta,
     WorkGrant,
@@ -178,8 +183,11 @@ def test_heartbeats_keep_a_busy_generator_s_groups(context):
 
 def test_the_replica_loop_s_heartbeat_reaches_the_buffer_at_most_once_per_interval(buffer, context):
     from asyncrl.generators.worker import GeneratorReplica
+    from asyncrl.transport import RequestClient
 
-    replica = GeneratorReplica(buffer.config, "gen-w", backend=None, context=context)
+    client = RequestClient(context, buffer.endpoint)
+    weights = f"tcp://127.0.0.1:{buffer.config.cluster.weights_port}"
+    replica = GeneratorReplica(buffer.config, "gen-w", None, context, "default", client, weights)
     replica.heartbeat()
     first = replica.last_contact
     replica.heartbeat()  # within the interval: nothing sent
@@ -217,3 +225,31 @@ def test_back_pressure_refuses_work_with_a_retry_hint_while_a_batch_is_still_ser
         # room again: work flows
         grant = exchange(generator, WorkRequest("gen-a", max_samples=BATCH))
         assert [item.group_id for item in grant.items] == [2, 3]
+
+
+def test_a_joining_generator_learns_the_weights_port_and_is_listed_in_status(buffer, context):
+    sock = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+    joined = exchange(sock, Join("extra-host-1", pool="extra"))
+    assert joined == Joined(buffer.config.cluster.weights_port, 0, buffer.config.run.name)
+    exchange(sock, WorkRequest("extra-host-1", max_samples=GROUP_SIZE))
+    status = exchange(sock, StatusRequest())
+    assert isinstance(status, Status)
+    assert set(status.generators) == {"extra-host-1"}
+    assert status.generators["extra-host-1"]["seen_s_ago"] < 5
+    assert status.pools == {"extra-host-1": "extra"}
+    assert status.stats["buffer_in_flight_groups"] == 1
+
+
+def test_a_generator_that_leaves_hands_its_groups_back_at_once(context):
+    config = make_config("buffer.heartbeat_timeout_s=60")  # expiry would take a minute
+    with running_buffer(config) as buffer:
+        leaving = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        staying = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        grant = exchange(leaving, WorkRequest("gen-a", max_samples=BATCH))
+        taken = sorted(item.group_id for item in grant.items)
+        send_group(leaving, taken[0], "gen-a", indices=range(1))  # one partial sample
+        assert exchange(leaving, Leave("gen-a")) == Ack(accepted=len(taken))
+        assert buffer.store.counters["requeued_groups"] == len(taken)
+        regrant = exchange(staying, WorkRequest("gen-b", max_samples=BATCH))
+        assert sorted(item.group_id for item in regrant.items) == taken
+        assert "gen-a" not in buffer.store.last_seen

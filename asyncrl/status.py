@@ -1,0 +1,125 @@
+"""``asyncrl status RUN_DIR``: what a live or finished run is doing, from outside it.
+
+Reads what the run directory holds (resolved config, metrics, checkpoints,
+logs) and, if the run is live, asks its buffer (a :class:`StatusRequest`, one
+second at most) for the policy version, what it holds and the generators it
+hears from. Nothing here can disturb the run: the buffer answers a status
+request like a heartbeat, from its own loop.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import yaml
+import zmq
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from asyncrl.config import Config, config_from_dict
+from asyncrl.messages import Status, StatusRequest
+from asyncrl.paths import latest_checkpoint
+from asyncrl.security import client_context
+from asyncrl.transport import RequestClient, tcp
+
+RECENT_STEPS = 5
+ASK_TIMEOUT_S = 1.0
+
+
+def ask_buffer(config: Config, timeout_s: float = ASK_TIMEOUT_S) -> Status | None:
+    """The live buffer's :class:`Status`, or None if nothing answers in ``timeout_s``."""
+    if not config.cluster.buffer_port:
+        return None
+    context = client_context(config.cluster)
+    client = RequestClient(context, tcp(config.cluster.host, config.cluster.buffer_port))
+    try:
+        reply, _ = client.request(StatusRequest(), timeout_s=timeout_s)
+        return reply if isinstance(reply, Status) else None
+    except (TimeoutError, zmq.ZMQError):
+        return None
+    finally:
+        client.close()
+        context.destroy(linger=0)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def show(run_dir: Path, console: Console | None = None) -> int:
+    """Print the status of the run in ``run_dir``; 0 if it is a run directory, else 2."""
+    console = console or Console()
+    config_path = run_dir / "config.yaml"
+    if not config_path.exists():
+        console.print(f"[red]asyncrl: {run_dir} is not a run directory (no config.yaml)[/red]")
+        return 2
+    config = config_from_dict(yaml.safe_load(config_path.read_text()))
+    metrics = read_metrics(run_dir)
+    live = ask_buffer(config)
+    finished = (run_dir / "final").exists()
+
+    state = "live" if live else ("finished" if finished else "not running")
+    last = metrics[-1] if metrics else {}
+    console.print(f"[bold]{escape(config.run.name)}[/bold]  {run_dir}  " + escape(f"[{state}]"))
+    model = config.model.name_or_path or "tiny model built from config"
+    console.print(
+        f"model {model}; step {len(metrics)}/{config.run.total_steps}, "
+        f"version {last.get('version', 0)}"
+    )
+    checkpoint = latest_checkpoint(run_dir)
+    console.print(f"latest complete checkpoint: {checkpoint or 'none'}")
+
+    roles = Table("role", "log", "last written", title="roles")
+    for log in sorted((run_dir / "logs").glob("*.log")):
+        age = time.time() - log.stat().st_mtime
+        roles.add_row(log.stem, str(log), f"{age:.0f}s ago")
+    console.print(roles)
+
+    pools = Table("pool", "replicas", "backend", title="generator pools (config)")
+    for pool in config.generators.resolved_pools():
+        pools.add_row(pool.name, str(pool.replicas), pool.settings.backend)
+    console.print(pools)
+
+    if live is not None:
+        stats = live.stats
+        console.print(
+            f"buffer at {tcp(config.cluster.host, config.cluster.buffer_port)}: policy version "
+            f"{live.policy_version}, holds {stats.get('buffer_held', 0):.0f} samples "
+            f"({stats.get('buffer_held_bytes', 0) / 2**20:.1f} MiB), "
+            f"{stats.get('buffer_in_flight_groups', 0):.0f} groups in flight, "
+            f"{stats.get('buffer_generators_alive', 0):.0f} generators alive"
+        )
+        generators = Table(
+            "generator", "pool", "last heard", "samples sent", "weight swaps", title="generators"
+        )
+        for name, counters in sorted(live.generators.items()):
+            generators.add_row(
+                name,
+                live.pools.get(name, "default"),
+                f"{counters['seen_s_ago']:.1f}s ago",
+                f"{counters.get('samples_sent', 0):.0f}",
+                f"{counters.get('weight_swaps', 0):.0f}",
+            )
+        console.print(generators)
+
+    if metrics:
+        recent = Table(
+            "step", "version", "reward", "staleness mean/max", "samples/s", title="recent steps"
+        )
+        for record in metrics[-RECENT_STEPS:]:
+            recent.add_row(
+                str(record["step"] + 1),
+                str(record["version"]),
+                f"{record['reward_mean']:.3f}",
+                f"{record['staleness_mean']:.2f}/{record['staleness_max']:.0f}",
+                f"{record.get('samples_per_s', 0):.1f}",
+            )
+        console.print(recent)
+    return 0

@@ -1,0 +1,99 @@
+"""A generator started by hand joins a live run (`asyncrl generator`), its samples
+reach the learner, `asyncrl status` sees it, and stopping it loses nothing."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from test_launch_end_to_end import REPO, processes_of, read_metrics
+
+pytestmark = pytest.mark.slow
+
+STEPS = 150
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def metrics_lines(run_dir) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_a_generator_joins_mid_run_and_leaves_without_loss(tmp_path):
+    run_dir = tmp_path / "run"
+    pools = "generators.pools=[{name: main, replicas: 1}, {name: extra, replicas: 0}]"
+    launcher = subprocess.Popen(
+        [
+            sys.executable, "-m", "asyncrl", "launch", str(REPO / "configs/quickstart.yaml"),
+            f"run.total_steps={STEPS}", "tracking.aim=false", pools,
+            "--run-dir", str(run_dir), "--quiet",
+        ],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    joined = None
+    try:
+        wait_for(lambda: metrics_lines(run_dir) >= 2, 120, "the first steps")
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+        buffer = f"tcp://127.0.0.1:{config['cluster']['buffer_port']}"
+        log = (tmp_path / "joined.log").open("w")
+        joined = subprocess.Popen(
+            [
+                sys.executable, "-m", "asyncrl", "generator",
+                "--config", str(run_dir / "config.yaml"), "--buffer", buffer,
+                "--pool", "extra", "--work-dir", str(tmp_path / "joined"),
+            ],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+        def extra_sent() -> float:
+            if not metrics_lines(run_dir):
+                return 0.0
+            return read_metrics(run_dir)[-1].get("pool_extra_samples_sent_total", 0.0)
+
+        wait_for(lambda: extra_sent() > 0, 120, "the joined generator's samples")
+        status = subprocess.run(
+            [sys.executable, "-m", "asyncrl", "status", str(run_dir)],
+            cwd=REPO, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert status.returncode == 0, status.stderr
+        assert "[live]" in status.stdout and "extra-" in status.stdout, status.stdout
+
+        joined.send_signal(signal.SIGTERM)  # mid-run: its unfinished groups go back
+        assert joined.wait(30) == 0
+        output, _ = launcher.communicate(timeout=300)
+        assert launcher.returncode == 0, output
+    finally:
+        for process in (joined, launcher):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+
+    records = read_metrics(run_dir)
+    assert [r["version"] for r in records] == list(range(1, STEPS + 1))
+    assert records[-1]["samples_total"] == STEPS * 256  # every step got a full batch
+    assert records[-1]["pool_extra_samples_sent_total"] > 0
+    assert records[-1]["pool_main_samples_sent_total"] > 0
+    joined_log = (tmp_path / "joined.log").read_text()
+    assert "joined run" in joined_log and "left the run" in joined_log, joined_log
+    trained = [
+        group for line in (run_dir / "trained_groups.jsonl").read_text().splitlines()
+        for group in json.loads(line)["group_ids"]
+    ]  # fmt: skip
+    assert len(trained) == len(set(trained))  # no prompt trained twice
+    finished = subprocess.run(
+        [sys.executable, "-m", "asyncrl", "status", str(run_dir)],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert finished.returncode == 0 and "[finished]" in finished.stdout, finished.stdout
+    assert not processes_of(run_dir)
