@@ -281,12 +281,21 @@ class Pool:
 
 class TrackingConfig(_Section):
     aim: bool = True
-    """Track metrics in an aim repo inside the run directory."""
+    """Track metrics in an aim repo inside the run directory (false: metrics.jsonl only)."""
+    generations_per_step: int = Field(2, ge=0)
+    """Sampled generations (prompt, response, reward) sent to aim as text each step."""
 
 
 class ClusterConfig(_Section):
     """Where the endpoints listen and how peers reach them (see docs/security.md)."""
 
+    backend: Literal["local", "ray"] = "local"
+    """`local`: one process per role on this machine; `ray`: each role a Ray actor placed by
+    the resources it asks for (docs/ray.md)."""
+    address: str | None = None
+    """ray: the cluster to join (`auto`, `HOST:6379`); empty: a local Ray on 127.0.0.1."""
+    buffer_num_cpus: float = Field(1.0, ge=0.0)
+    """ray: CPUs the buffer asks for; it is placed beside learner rank 0."""
     host: str = "127.0.0.1"
     """Address the roles connect to: the buffer's and learner's machine as the others reach it."""
     bind: str | None = None

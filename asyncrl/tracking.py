@@ -55,6 +55,16 @@ class Tracker:
         for key, value in metrics.items():
             self.aim.track(value, name=aim_name(key), step=step)
 
+    def log_generations(self, step: int, generations: list[dict[str, Any]]) -> None:
+        """A few samples of the step as aim text (``generations``), one per context index."""
+        if isinstance(self.aim, NullAim):
+            return
+        from aim import Text
+
+        for index, generation in enumerate(generations):
+            text = "\n".join(f"{key}: {value}" for key, value in generation.items())
+            self.aim.track(Text(text), name="generations", step=step, context={"sample": index})
+
     def close(self) -> None:
         self.file.close()
         self.aim.close()

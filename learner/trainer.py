@@ -305,6 +305,7 @@ class _MainRank:
 
     def __init__(self, config: Config, run_dir: Path, learner: Learner, cleanup: ExitStack):
         self.config = config
+        self.tokenizer = learner.tokenizer
         self.context = client_context(config.cluster)
         cleanup.callback(self.context.destroy, linger=0)
         self.publisher = WeightPublisher(
@@ -328,6 +329,26 @@ class _MainRank:
         self.started = time.perf_counter()
         self.first_step = learner.step
 
+    def generations(self, batch: TrainBatch) -> list[dict[str, object]]:
+        """The first samples of the first groups of ``batch``, decoded, for aim."""
+        wanted = self.config.tracking.generations_per_step
+        if not wanted or not self.config.tracking.aim:
+            return []
+        rows = []
+        for row in range(min(wanted, batch.num_samples)):
+            length = int(batch.attention_mask[row].sum())
+            split = length - int(batch.response_lengths[row])
+            ids = batch.input_ids[row]
+            rows.append(
+                {
+                    "group": int(batch.group_ids[row]),
+                    "reward": round(float(batch.rewards[row]), 4),
+                    "prompt": self.tokenizer.decode(ids[:split], skip_special_tokens=True),
+                    "response": self.tokenizer.decode(ids[split:length], skip_special_tokens=True),
+                }
+            )
+        return rows
+
     def log(
         self,
         batch: TrainBatch,
@@ -347,6 +368,7 @@ class _MainRank:
         record = {"step": version, "version": version + 1, "group_ids": groups}
         self.trained_groups.write(json.dumps(record) + "\n")
         self.trained_groups.flush()
+        self.tracker.log_generations(version, self.generations(batch))
         self.tracker.log(
             version,
             {

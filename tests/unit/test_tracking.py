@@ -45,3 +45,30 @@ def test_aim_run_in_the_run_directory_holds_every_logged_value(tmp_path):
     _, values = metrics["reward/mean"].values.sparse_numpy()
     assert sorted(values.round(6).tolist()) == [0.1, 0.2, 0.7]
     assert run["hparams"]["algorithm"]["group_size"] == 8
+
+
+def test_sampled_generations_reach_aim_as_text_per_step(tmp_path):
+    from aim import Repo
+    from aim.sdk.index_manager import RepoIndexManager
+    from aim.storage.context import Context
+
+    tracker = Tracker(tmp_path, "test", {}, use_aim=True)
+    tracker.log_generations(3, [{"prompt": "123=", "response": "234", "reward": 1.0}])
+    tracker.log_generations(4, [{"prompt": "555=", "response": "6", "reward": 0.3}])
+    tracker.close()
+
+    repo = Repo.from_path(str(tmp_path))
+    (run_hash,) = list(repo.list_all_runs())
+    RepoIndexManager.get_index_manager(repo).index(run_hash)
+    sequence = repo.get_run(run_hash).get_text_sequence("generations", Context({"sample": 0}))
+    steps, (texts, *_) = sequence.data.items_list()
+    assert steps == [3, 4]
+    assert texts[0].data == "prompt: 123=\nresponse: 234\nreward: 1.0"
+    assert "response: 6" in texts[1].data
+
+
+def test_generations_are_not_decoded_or_written_when_aim_is_off(tmp_path):
+    tracker = Tracker(tmp_path, "test", {}, use_aim=False)
+    tracker.log_generations(0, [{"prompt": "1=", "response": "2"}])
+    tracker.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
