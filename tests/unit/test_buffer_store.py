@@ -368,6 +368,21 @@ def test_generator_counters_are_averaged_and_summed_over_generators():
     assert summary["generators_weight_swaps_total"] == 8.0
 
 
+def test_generator_counters_are_summed_per_pool():
+    from asyncrl.buffer.service import pools_summary
+
+    per_generator = {
+        "fast-0": {"samples_sent": 10.0, "restarts": 1.0},
+        "fast-1": {"samples_sent": 5.0},
+        "gen-0": {"samples_sent": 2.0},
+    }
+    summary = pools_summary(per_generator, {"fast-0": "fast", "fast-1": "fast"})
+    assert summary["pool_fast_samples_sent_total"] == 15.0
+    assert summary["pool_fast_restarts_total"] == 1.0
+    assert summary["pool_fast_replicas"] == 2.0
+    assert summary["pool_default_samples_sent_total"] == 2.0  # a generator of no named pool
+
+
 def test_a_sample_without_model_tokens_is_never_stale():
     """An episode over before the model spoke (its prompt filled the token budget) has
     only environment tokens, version -1: it must not count as version 0 and go stale."""

@@ -377,3 +377,36 @@ def test_resume_without_a_checkpoint_fails_clearly(tmp_path, capsys):
     (tmp_path / "config.yaml").write_text(QUICKSTART.read_text())
     assert main(["launch", "--resume", str(tmp_path)]) == 2
     assert "has no complete checkpoint to resume from" in capsys.readouterr().err
+
+
+def test_generator_pools_inherit_unset_settings_and_override_the_rest():
+    config = load_config(
+        None,
+        [
+            "model.tiny.hidden_size=64",
+            "generators.max_new_tokens=16",
+            "generators.pools=[{name: fast, replicas: 3, backend: vllm, chunk_tokens: 8},"
+            " {name: slow, replicas: 1}]",
+        ],
+    )
+    fast, slow = config.generators.resolved_pools()
+    assert (fast.name, fast.replicas, slow.name, slow.replicas) == ("fast", 3, "slow", 1)
+    assert (fast.settings.backend, fast.settings.chunk_tokens) == ("vllm", 8)
+    assert (slow.settings.backend, slow.settings.chunk_tokens) == ("hf", 4)
+    assert fast.settings.max_new_tokens == slow.settings.max_new_tokens == 16
+    [default] = load_config(None, ["model.tiny.hidden_size=64"]).generators.resolved_pools()
+    assert (default.name, default.replicas) == ("default", 2)
+
+
+def test_pool_errors_name_the_key():
+    with pytest.raises(ConfigError, match="duplicate pool name"):
+        load_config(
+            None,
+            ["model.tiny.hidden_size=64", "generators.pools=[{name: a}, {name: a}]"],
+        )
+    # the temperature is the run's: a pool cannot set it
+    with pytest.raises(ConfigError, match=r"generators\.pools\.0\.temperature"):
+        load_config(
+            None,
+            ["model.tiny.hidden_size=64", "generators.pools=[{name: a, temperature: 0.7}]"],
+        )
