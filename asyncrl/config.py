@@ -192,6 +192,15 @@ class LearnerConfig(_Section):
     """Save a sharded checkpoint every this many steps (0: only the final policy)."""
     num_threads: int = Field(1, ge=1)
     """torch intra-op threads per learner rank."""
+    num_cpus_per_rank: float = Field(1.0, gt=0.0)
+    """CPUs each rank asks for (Ray resources)."""
+    num_gpus_per_rank: float = Field(0.0, ge=0.0, le=1.0)
+    """GPUs each rank asks for (Ray resources; Ray hides GPUs from a rank that asks for none)."""
+    placement: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    """Ray placement group strategy of the ranks; STRICT_PACK: all on one node."""
+    resources: dict[str, float] = {}
+    """Custom Ray resources each rank asks for, e.g. `{learner_node: 1}` offered only by
+    the nodes meant for the learner (`ray start --resources`)."""
 
 
 class GeneratorsConfig(_Section):

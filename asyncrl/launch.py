@@ -344,6 +344,10 @@ def launch(
             return 2
     config = resolve_keys(config, run_dir)  # CURVE keys missing: refused before anything starts
     run_dir = make_run_dir(config, run_dir)
+    if config.cluster.backend == "ray":  # the roles as Ray actors (docs/ray.md)
+        from asyncrl.ray_cluster import launch_ray
+
+        return launch_ray(config, run_dir, resume_from, quiet)
     config = resolve_ports(config)
     save_config(config, run_dir / "config.yaml")
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
