@@ -375,7 +375,8 @@ def serve(
         replica = GeneratorReplica(
             config, name, backend, context, pool, buffer, weights_endpoint(joined)
         )
-        replica.stats["restarts"] = restarts
+        # 1 on a restarted replica (a new id each time): summed over ids, the restart count
+        replica.stats["restarts"] = int(restarts > 0)
         replica.stopping = stopping.is_set()
         try:
             replica.run_loop()
