@@ -1,0 +1,57 @@
+"""The launcher's console: following metrics.jsonl, the plain line, the live panel."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from rich.console import Console
+
+from asyncrl.config import load_config
+from asyncrl.console import LiveConsole, MetricsFollower, ReplicaHealth, step_line
+
+RECORD = {
+    "step": 9, "version": 10, "reward_mean": 0.5, "staleness_mean": 0.75, "staleness_max": 1,
+    "samples_per_s": 123.4, "learner_wait_frac": 0.25, "buffer_held": 128.0,
+}  # fmt: skip
+
+
+def test_follower_starts_at_the_end_and_reads_whole_lines_only(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 0}) + "\n")  # an earlier run's step (a resume)
+    follower = MetricsFollower(path)
+    assert follower.poll() == []
+    with path.open("a") as file:
+        file.write(json.dumps({"step": 1}) + "\n" + '{"step": 2, "rew')  # mid-write
+    assert follower.poll() == [{"step": 1}]
+    with path.open("a") as file:
+        file.write('ard_mean": 0.5}\n')
+    assert follower.poll() == [{"step": 2, "reward_mean": 0.5}]
+
+
+def test_plain_line_format():
+    assert step_line(RECORD, 600) == (
+        "step   10/600  v10    reward 0.500  staleness 0.75/1  samples/s 123.4  wait 25%"
+    )
+
+
+def test_live_panel_shows_figures_buffer_fill_and_pool_health(tmp_path):
+    config = load_config(None, ["model.tiny.hidden_size=64", "algorithm.prompts_per_step=8"])
+    (tmp_path / "metrics.jsonl").write_text("")
+    live = LiveConsole(tmp_path / "metrics.jsonl", config, tmp_path)
+    live.live.stop()  # render by hand below, not on the terminal
+    with (tmp_path / "metrics.jsonl").open("a") as file:
+        file.write(json.dumps(RECORD) + "\n")
+    health = [
+        ReplicaHealth("default", "generator-0", "alive", 0),
+        ReplicaHealth("default", "generator-1", "restarting", 2),
+    ]
+    live.update(health)
+    out = io.StringIO()
+    Console(file=out, width=120).print(live.render())
+    text = out.getvalue()
+    assert "0.500" in text and "0.75 mean, 1 max" in text
+    # 4 batches of 8 x 8 samples: 128 held is half of the default bound
+    assert "128/256 samples (50%)" in text
+    row = next(line for line in text.splitlines() if line.strip().startswith("default"))
+    assert row.split() == ["default", "2", "1", "1", "2"]
