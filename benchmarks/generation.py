@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -52,18 +53,26 @@ def rollouts(batch: int, prompt_len: int) -> list[Rollout]:
     ]
 
 
-def tokens_per_s(
+def generate_all(backend: HFBackend, batch: int, chunk: int) -> float:
+    """Tokens/s for one batch generated to the end in chunks of ``chunk`` tokens."""
+    work = rollouts(batch, prompt_len=16)
+    start = time.perf_counter()
+    while not all(r.finished for r in work):
+        backend.generate_chunk(work, chunk)
+    elapsed = time.perf_counter() - start
+    return sum(len(r.response_ids) for r in work) / elapsed
+
+
+def chunked_and_whole(
     backend: HFBackend, batch: int, new_tokens: int, chunk: int, repeats: int
-) -> float:
-    rates = []
+) -> tuple[float, float]:
+    """Medians of chunked and one-call tokens/s, measured alternately (ABAB...), so a
+    load spike on a shared machine hits both and their ratio stays meaningful."""
+    chunked, whole = [], []
     for _ in range(repeats):
-        work = rollouts(batch, prompt_len=16)
-        start = time.perf_counter()
-        while not all(r.finished for r in work):
-            backend.generate_chunk(work, chunk)
-        elapsed = time.perf_counter() - start
-        rates.append(sum(len(r.response_ids) for r in work) / elapsed)
-    return statistics.median(rates)
+        chunked.append(generate_all(backend, batch, chunk))
+        whole.append(generate_all(backend, batch, new_tokens))
+    return statistics.median(chunked), statistics.median(whole)
 
 
 def swap_latency(model: torch.nn.Module, backend: HFBackend, repeats: int) -> dict[str, float]:
@@ -108,9 +117,8 @@ def main() -> None:
         backend = HFBackend(model, tokenizer, sampling)
         backend.generate_chunk(rollouts(2, 16), 4)  # warm-up
         for batch in (1, 8, 32):
-            repeats = 1 if args.quick else 3
-            chunked = tokens_per_s(backend, batch, args.new_tokens, args.chunk, repeats)
-            whole = tokens_per_s(backend, batch, args.new_tokens, args.new_tokens, repeats)
+            repeats = 1 if args.quick else 5
+            chunked, whole = chunked_and_whole(backend, batch, args.new_tokens, args.chunk, repeats)
             results.append(
                 {"model": name, "params": params, "batch": batch, "chunked_tok_s": chunked,
                  "one_call_tok_s": whole, "chunked_over_one_call": chunked / whole}
@@ -119,7 +127,8 @@ def main() -> None:
         swap = swap_latency(model, backend, repeats=2 if args.quick else 5)
         results.append({"model": name, "params": params, **swap})
         print(json.dumps(results[-1]), flush=True)
-    machine = {"cpus": torch.get_num_threads(), "torch": torch.__version__,
+    machine = {"cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+               "load_avg_after": os.getloadavg(), "torch": torch.__version__,
                "python": platform.python_version(), "processor": platform.processor()}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine, "args": vars(args) | {"out": str(args.out)},
