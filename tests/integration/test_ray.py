@@ -184,7 +184,7 @@ import sys
 from ray.cluster_utils import Cluster
 
 store = 100 * 1024**2
-head = {"num_cpus": 3, "resources": {"learner_node": 1}, "object_store_memory": store}
+head = {"num_cpus": 3, "resources": {"learner_node": 2}, "object_store_memory": store}
 cluster = Cluster(initialize_head=True, head_node_args=head)
 cluster.add_node(num_cpus=3, object_store_memory=store)
 cluster.wait_for_nodes()
@@ -196,8 +196,9 @@ cluster.shutdown()
 
 @pytest.mark.slow
 def test_the_two_node_example_places_the_learner_and_the_generators_apart(tmp_path):
-    """examples/two_node on two Ray nodes of this machine (both on 127.0.0.1): the buffer
-    and learner go to the node offering `learner_node`, the generator pools to the other."""
+    """examples/two_node on two Ray nodes of this machine (both on 127.0.0.1), with two
+    learner ranks: the buffer and the ranks go to the node offering `learner_node`, the
+    generator pools to the other."""
     run_dir = tmp_path / "run"
     with ray_temp_dir() as ray_dir:
         env = {**os.environ, "RAY_TMPDIR": str(ray_dir), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -210,7 +211,8 @@ def test_the_two_node_example_places_the_learner_and_the_generators_apart(tmp_pa
             command = [
                 sys.executable, "-m", "asyncrl", "launch", "examples/two_node/two_node.yaml",
                 f"cluster.address={address}", "run.total_steps=10", "tracking.aim=false",
-                "learner.num_threads=1", "cluster.buffer_port=0", "cluster.weights_port=0",
+                "learner.num_threads=1", "learner.world_size=2", "learner.num_cpus_per_rank=1",
+                "cluster.buffer_port=0", "cluster.weights_port=0",
                 "generators.pools=[{name: main, replicas: 1, num_cpus: 2},"
                 " {name: eager, replicas: 1, num_cpus: 1, chunk_tokens: 1}]",
                 "--run-dir", str(run_dir), "--quiet",
@@ -230,10 +232,11 @@ def test_the_two_node_example_places_the_learner_and_the_generators_apart(tmp_pa
     assert f"ray: joined {address}: 6 CPUs, 0 GPUs on 2 node(s)" in result.stdout
     nodes = re.findall(r"node 127\.0\.0\.1 \((\w+)\): ([\w, -]+)", result.stdout)
     assert [names for _, names in nodes] == [
-        "buffer, learner",
+        "buffer, learner-0, learner-1",
         "generator-main-0, generator-eager-0",
     ], result.stdout
     assert nodes[0][0] != nodes[1][0]
     records = read_metrics(run_dir)
     assert [r["version"] for r in records] == list(range(1, 11))
     assert records[-1]["pool_main_replicas"] == 1 and records[-1]["pool_eager_replicas"] == 1
+    assert "rank 1 of 2" in (run_dir / "logs" / "learner-1.log").read_text()
