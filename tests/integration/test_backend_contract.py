@@ -27,9 +27,13 @@ import pytest
 import torch
 
 from asyncrl.config import GeneratorsConfig, ModelConfig, TinyModelConfig
+from asyncrl.envs import Environment, StepResult
+from asyncrl.envs.config import EnvironmentConfig
 from asyncrl.generators.backend import Backend, Rollout
+from asyncrl.generators.episodes import Episodes
 from asyncrl.generators.hf_backend import HFBackend
 from asyncrl.learner.algorithms import token_logprobs
+from asyncrl.messages import WorkItem
 from asyncrl.models import build_policy
 
 torch.set_num_threads(1)
@@ -319,6 +323,67 @@ def test_max_new_tokens_ends_a_sequence_with_reason_length(engine):
         full = len(rollout.response_ids) == 6 and 2 not in rollout.response_ids  # 2: EOS
         assert (rollout.finish_reason == "length") == full
     assert any(r.finish_reason == "length" for r in rollouts)
+
+
+class EchoTurnsEnv(Environment):
+    """Replies "99" to each of the first two turns, then ends the episode (reward = turns)."""
+
+    def reset(self, row):
+        self.turns = 0
+        return list(row["prompt"])
+
+    def step(self, response):
+        self.turns += 1
+        if self.turns == 3:
+            return StepResult(done=True, reward=3.0)
+        return StepResult([{"role": "user", "content": "99"}])
+
+
+def test_multi_turn_episodes_keep_their_prefix_and_only_model_tokens_carry_logprobs(engine):
+    """Episodes through the real engine: turns end at a stop string or the turn limit,
+    replies are appended with mask 0, the rollout's own token budget is honoured, and
+    every model token's log-prob is the learner's given the whole sequence before it."""
+    engine.load(engine.base)
+    episodes = Episodes(
+        EnvironmentConfig(name=f"{__name__}:EchoTurnsEnv", formatter="plain", workers=2),
+        engine.backend.tokenizer,
+        max_tokens_per_turn=10,
+    )
+    item = WorkItem(0, 8, [], "x", "", messages=[{"role": "user", "content": "123="}])
+    active = [episodes.start(item, index, now=0.0) for index in range(8)]
+    finished = []
+    with engine.sampling(stop=["3", "5", "7"], max_new_tokens=64):
+        for _ in range(200):
+            engine.backend.generate_chunk(active, CHUNK)
+            for rollout in [r for r in active if r.finished]:
+                episodes.end_turn(rollout)
+            active = [r for r in active if not r.finished]
+            while episodes.waiting and not active:
+                continuing, done = episodes.collect()
+                active += continuing
+                finished += done
+            continuing, done = episodes.collect()
+            active, finished = active + continuing, finished + done
+            if not active and not episodes.waiting:
+                break
+    episodes.close()
+    assert len(finished) == 8
+    prompt = finished[0][0].prompt_ids
+    diffs = []
+    for rollout, score in finished:
+        assert rollout.prompt_ids == prompt
+        mask = torch.tensor(rollout.loss_mask, dtype=torch.bool)
+        versions = torch.tensor(rollout.token_versions)
+        assert (versions[~mask] == -1).all() and (versions[mask] >= 0).all()
+        assert (torch.tensor(rollout.logprobs)[~mask] == 0).all()
+        learner = learner_logprobs(engine.reference, rollout, 1.0)
+        diffs.append((torch.tensor(rollout.logprobs) - learner)[mask].abs())
+        if score.reward == 3.0:  # three turns: two replies of mask-0 tokens in between
+            assert (~mask).sum() > 0 and rollout.finish_reason == "stop"
+    assert episodes.stats["turns"] > 8  # some episodes went past their first turn
+    diffs = torch.cat(diffs)
+    report(engine, "multi-turn model tokens", diffs)
+    assert diffs.max().item() < TOLERANCE[engine.name]
 
 
 # ---------------------------------------------------------------------------- weights
