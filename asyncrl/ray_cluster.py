@@ -199,7 +199,11 @@ def launch_ray(
             print(f"  {problem}", file=sys.stderr)
         return 2
     run_dir = run_dir.resolve()
-    ray = _connect(config)
+    try:
+        ray = _connect(config)
+    except RayLaunchError as error:
+        print(f"asyncrl: {error}", file=sys.stderr, flush=True)
+        return 1
     started = time.time()
     failure: str | None = None
     try:
@@ -253,10 +257,16 @@ def _connect(config: Config) -> Any:
         )
         print(f"ray: started a local Ray for this run ({cpus} CPUs)", flush=True)
     else:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        print(f"ray: joining the cluster at {address}", flush=True)
+        try:
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError, ValueError) as error:
+            raise RayLaunchError(
+                f"cannot join the Ray cluster at cluster.address={address}: {error}"
+            ) from None
         resources = ray.cluster_resources()
         print(
-            f"ray: joined {address}: {resources.get('CPU', 0):g} CPUs, "
+            f"ray: joined: {resources.get('CPU', 0):g} CPUs, "
             f"{resources.get('GPU', 0):g} GPUs on {len(ray.nodes())} node(s)",
             flush=True,
         )
