@@ -110,6 +110,30 @@ class Replica:
     backoff_s: float = BACKOFF_FIRST_S
     """The wait before its next restart."""
 
+    def role_args(self) -> list[str]:
+        """``--index``, ``--pool`` and, once restarted, ``--restarts`` for ``asyncrl.roles``."""
+        extra = ["--index", str(self.index), "--pool", self.pool]
+        return extra + (["--restarts", str(self.restarts)] if self.restarts else [])
+
+    def mark_restart(self, log_path: Path) -> None:
+        """Separate the restarted process's output from the last one's in its log."""
+        with log_path.open("a") as log_file:
+            log_file.write(f"---- asyncrl launch: restart {self.restarts} ----\n")
+
+    def schedule_restart(self, now: float) -> float:
+        """Set :attr:`restart_at` after the back-off; returns the wait in seconds.
+
+        The wait doubles with each exit (up to :data:`BACKOFF_MAX_S`), so a
+        replica that cannot start does not spin, and starts over once the
+        replica stayed up :data:`STABLE_AFTER_S`.
+        """
+        if now - self.started_at >= STABLE_AFTER_S:
+            self.backoff_s = BACKOFF_FIRST_S
+        delay = self.backoff_s
+        self.backoff_s = min(2 * delay, BACKOFF_MAX_S)
+        self.restart_at = now + delay
+        return delay
+
 
 class Supervisor:
     """The run's process table: starts, restarts and stops its processes."""
@@ -152,12 +176,9 @@ class Supervisor:
                 self._start_generator(replica)
 
     def _start_generator(self, replica: Replica) -> None:
-        extra = ["--index", str(replica.index), "--pool", replica.pool]
         if replica.restarts:
-            extra += ["--restarts", str(replica.restarts)]
-            with self.log_path(replica.name).open("a") as log_file:
-                log_file.write(f"---- asyncrl launch: restart {replica.restarts} ----\n")
-        self.start(replica.name, "generator", *extra)
+            replica.mark_restart(self.log_path(replica.name))
+        self.start(replica.name, "generator", *replica.role_args())
         replica.started_at = time.monotonic()
         replica.restart_at = None
 
@@ -192,11 +213,7 @@ class Supervisor:
 
     def _schedule_restart(self, replica: Replica, code: int, now: float) -> None:
         uptime = now - replica.started_at
-        if uptime >= STABLE_AFTER_S:
-            replica.backoff_s = BACKOFF_FIRST_S
-        delay = replica.backoff_s
-        replica.backoff_s = min(2 * delay, BACKOFF_MAX_S)
-        replica.restart_at = now + delay
+        delay = replica.schedule_restart(now)
         self.notify(
             f"asyncrl: {replica.name} exited with status {code} after {uptime:.1f}s; "
             f"restarting it in {delay:.0f}s; last lines of {self.log_path(replica.name)}:\n"
