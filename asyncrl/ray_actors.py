@@ -27,7 +27,8 @@ class RoleActor:
     """Holds one role (buffer, a learner rank or a generator replica) of a run."""
 
     def start(self, run_dir: str, name: str, cwd: str) -> dict[str, str | int]:
-        """Send this process's output to ``RUN_DIR/logs/NAME.log``; say where it runs.
+        """Send this process's output to ``RUN_DIR/logs/NAME.log``; say where it runs,
+        there too (which process to look at, or to kill when testing a restart).
 
         Works in the driver's directory when this node has it (so relative paths
         in the config mean the same as under the local launcher).
@@ -41,11 +42,18 @@ class RoleActor:
             os.chdir(cwd)
         import ray
 
-        return {
+        info = {
             "ip": ray.util.get_node_ip_address(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
         }
+        print(
+            f"asyncrl: ray actor {name}: pid {info['pid']} on node {info['ip']} "
+            f"({info['node_id'][:6]})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return info
 
     def free_ports(self, host: str, count: int) -> list[int]:
         """``count`` distinct ports free on this node's ``host`` right now."""

@@ -17,9 +17,12 @@ and shuts it down at the end. Then:
    ``cluster.host``, since every actor is on this machine); free ports are
    picked on that node; the resolved config goes to ``RUN_DIR/config.yaml``,
    which every role reads, as under the local launcher;
-4. the roles start; the driver prints progress from ``metrics.jsonl``, waits
-   for the learner, fails fast naming the actor if any other role stops, and
-   at the end (or on Ctrl-C) SIGTERMs every role, then kills every actor.
+4. the roles start; the driver prints progress from ``metrics.jsonl`` and
+   waits for the learner. A generator replica whose actor dies or whose role
+   stops gets a new actor after the local launcher's back-off, with
+   ``--restarts N`` (:class:`asyncrl.launch.Replica`); the buffer or a learner
+   rank stopping fails the run at once, naming the actor. At the end (or on
+   Ctrl-C) every role gets SIGTERM, then every actor is killed.
 
 RUN_DIR must be one shared filesystem path on every node (config, logs,
 metrics, checkpoints); see docs/ray.md.
@@ -38,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config, save_config
+from asyncrl.launch import Replica
 from asyncrl.paths import latest_checkpoint
 from asyncrl.ray_actors import RoleActor, terminate
 
@@ -51,6 +55,8 @@ STOP_PHASES = (("generator", 5.0), ("learner", 15.0), ("buffer", 18.0))
 then every actor is killed. A little longer than the local launcher's: the SIGTERM
 goes through a Ray task on the actor's node."""
 LOG_TAIL_LINES = 20
+RESTART_TAIL_LINES = 3
+"""Log lines shown with a generator's restart note (the run goes on)."""
 START_TIMEOUT_S = 300.0
 """How long to wait for Ray to place every actor (a cluster may be scaling up)."""
 WAIT_NOTICE_S = 15.0
@@ -79,10 +85,13 @@ class Member:
     actor: Any = None
     info: dict[str, Any] | None = None
     """``ip``, ``node_id`` and ``pid``, once the actor has started."""
-    pool: str = ""
-    """A generator's pool."""
+    replica: Replica | None = None
+    """A generator's slot: pool, index, restarts and back-off (shared with the local
+    launcher); the actor in it is replaced when it stops."""
     ref: Any = None
     """The running role's ObjectRef."""
+    starting: Any = None
+    """A replacement actor's ``start`` ObjectRef, until Ray has placed it."""
 
     @property
     def role(self) -> str:
@@ -338,7 +347,10 @@ class RayRun:
         self.members: list[Member] = []
         self.placement_group: Any = None
         self.stopped: set[str] = set()
-        """Members whose role has returned or failed."""
+        """Members whose role has returned or failed, and is not being restarted."""
+        self.cwd = os.getcwd()
+        self.remote: Any = None
+        """``RoleActor`` as a Ray actor class."""
 
     # ---- start
 
@@ -349,8 +361,14 @@ class RayRun:
         self.config = self.resolve_endpoints()
         save_config(self.config, self.run_dir / "config.yaml")
         console.note(f"ray: endpoints on {self.config.cluster.host}; {self.placement()}")
+        self.run_roles()
+
+    def run_roles(self) -> None:
+        """Start every actor's role; a generator's uptime counts from here."""
         for member in self.members:
             member.ref = member.actor.run.remote(member.argv, member.env)
+            if member.replica is not None:
+                member.replica.started_at = time.monotonic()
 
     def placement(self) -> str:
         """Which actors each node got: ``node IP (id): names; ...``."""
@@ -406,16 +424,21 @@ class RayRun:
                 )
             )
         for name, pool, index, cpus, gpus in generator_replicas(self.config):
-            argv = ["generator", run_dir, "--index", str(index), "--pool", pool]
-            self.members.append(Member(name, argv, {"num_cpus": cpus, "num_gpus": gpus}, pool=pool))
-        remote = self.ray.remote(RoleActor)
+            replica = Replica(name, pool, index)
+            argv = ["generator", run_dir, *replica.role_args()]
+            options = {"num_cpus": cpus, "num_gpus": gpus}
+            self.members.append(Member(name, argv, options, replica=replica))
+        self.remote = self.ray.remote(RoleActor)
         starting = {}
         for member in self.members:
-            member.actor = remote.options(**member.options).remote()
-            ref = member.actor.start.remote(run_dir, member.name, os.getcwd())
-            starting[ref] = f"{member.name} ({member.asks})"
+            starting[self.new_actor(member)] = f"{member.name} ({member.asks})"
         for member, info in zip(self.members, self.wait_placed(starting), strict=True):
             member.info = info
+
+    def new_actor(self, member: Member) -> Any:
+        """Create ``member``'s actor; the ObjectRef of its ``start`` (where it landed)."""
+        member.actor = self.remote.options(**member.options).remote()
+        return member.actor.start.remote(str(self.run_dir), member.name, self.cwd)
 
     def wait_placed(self, pending: dict[Any, str]) -> list[Any]:
         """Results of ``pending`` refs, each labelled with what it waits for."""
@@ -475,29 +498,89 @@ class RayRun:
         return [m for m in self.members if m.role == "learner"]
 
     def supervise(self, console: RunConsole) -> str | None:
-        """Watch until every learner rank is done; a failure message if any role failed."""
-        by_ref = {m.ref: m for m in self.members}
+        """Watch until every learner rank is done, replacing generators that stop;
+        a failure message if the buffer or a learner rank failed."""
         while any(m.name not in self.stopped for m in self.learners()):
             self.requests.check()
+            self.restart_due()
             console.update(self.health())
-            pending = [ref for ref, m in by_ref.items() if m.name not in self.stopped]
-            done, _ = self.ray.wait(pending, num_returns=1, timeout=TICK_S)
+            running = {m.ref: m for m in self.members if m.ref is not None}
+            starting = {m.starting: m for m in self.members if m.starting is not None}
+            done, _ = self.ray.wait([*running, *starting], num_returns=1, timeout=TICK_S)
             for ref in done:
-                member = by_ref[ref]
+                if ref in starting:
+                    self.started_again(starting[ref], console)
+                    continue
+                member = running[ref]
+                error = self.error_of(ref)
+                if member.replica is not None:
+                    self.replace_later(member, error or "its role returned", console)
+                    continue
+                member.ref = None
                 self.stopped.add(member.name)
-                if (error := self.error_of(ref)) is not None:
+                if error is not None:
                     return self.describe(member, error)
                 if member.role != "learner":
                     return self.describe(member, "stopped before the learner finished")
         return None
 
+    def replace_later(self, member: Member, why: str, console: RunConsole) -> None:
+        """``member``'s generator stopped: free its actor, schedule a new one after the
+        back-off (:meth:`asyncrl.launch.Replica.schedule_restart`)."""
+        replica = member.replica
+        now = time.monotonic()
+        uptime = now - replica.started_at
+        delay = replica.schedule_restart(now)
+        stopped = f"stopped after {uptime:.1f}s ({why.rstrip('.')}); restarting it in {delay:.0f}s"
+        console.note(f"asyncrl: {self.describe(member, stopped, RESTART_TAIL_LINES)}", True)
+        with contextlib.suppress(Exception):
+            self.ray.kill(member.actor)  # a role that returned leaves its actor alive
+        member.actor = member.ref = member.starting = member.info = None
+
+    def restart_due(self) -> None:
+        """Create the new actor of each generator whose back-off is over."""
+        for member in self.members:
+            replica = member.replica
+            if replica is None or replica.restart_at is None:
+                continue
+            if time.monotonic() < replica.restart_at:
+                continue
+            replica.restart_at = None
+            replica.restarts += 1
+            replica.mark_restart(self.log_path(member))
+            member.argv = ["generator", str(self.run_dir), *replica.role_args()]
+            member.starting = self.new_actor(member)
+            replica.started_at = time.monotonic()  # a new actor that fails to start counts
+
+    def started_again(self, member: Member, console: RunConsole) -> None:
+        """A generator's new actor is placed: run its role (or try again if it failed)."""
+        ref, member.starting = member.starting, None
+        if (error := self.error_of(ref)) is not None:
+            self.replace_later(member, f"its new actor could not start: {error}", console)
+            return
+        member.info = self.ray.get(ref)
+        member.ref = member.actor.run.remote(member.argv, member.env)
+        member.replica.started_at = time.monotonic()
+        console.note(
+            f"asyncrl: {member.name} started again (restart {member.replica.restarts}) "
+            f"on {member.info['ip']}",
+            True,
+        )
+
     def health(self) -> list[ReplicaHealth]:
         from asyncrl.console import ReplicaHealth
 
+        def state(member: Member) -> str:
+            if member.name in self.stopped:
+                return "stopped"
+            if member.replica.restart_at is not None or member.starting is not None:
+                return "restarting"
+            return "alive"
+
         return [
-            ReplicaHealth(m.pool, m.name, "stopped" if m.name in self.stopped else "alive", 0)
+            ReplicaHealth(m.replica.pool, m.name, state(m), m.replica.restarts)
             for m in self.members
-            if m.role == "generator"
+            if m.replica is not None
         ]
 
     def error_of(self, ref: Any) -> str | None:
@@ -513,13 +596,17 @@ class RayRun:
             return str(error).strip().splitlines()[0]
         return None
 
-    def describe(self, member: Member, why: str) -> str:
+    def log_path(self, member: Member) -> Path:
+        return self.run_dir / "logs" / f"{member.name}.log"
+
+    def describe(self, member: Member, why: str, lines: int = LOG_TAIL_LINES) -> str:
+        """``actor NAME on IP: WHY; last lines of LOG:`` and the tail of its log."""
         where = f" on {member.info['ip']}" if member.info else ""
-        log_path = self.run_dir / "logs" / f"{member.name}.log"
+        log_path = self.log_path(member)
         message = f"actor {member.name}{where}: {why}"
         if log_path.exists():
-            lines = log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-            tail = "\n".join("    " + line for line in lines)
+            text = log_path.read_text(errors="replace").splitlines()[-lines:]
+            tail = "\n".join("    " + line for line in text)
             message += f"; last lines of {log_path}:\n{tail}"
         return message
 
@@ -535,6 +622,9 @@ class RayRun:
         """
         self.requests.stopping = True
         begun = time.monotonic()
+        for member in self.members:
+            if member.replica is not None:
+                member.replica.restart_at = None  # no restarts from here on
         for role, by_s in STOP_PHASES:
             members = [
                 m

@@ -7,12 +7,14 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -20,6 +22,8 @@ import yaml
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.ray_cluster import (
+    RayRun,
+    StopRequests,
     check_resources,
     generator_replicas,
     learner_bundles,
@@ -83,6 +87,142 @@ def test_settings_ray_cannot_honour_are_refused_naming_the_keys():
     assert "learner.resources" in problem and "learner.num_gpus_per_rank" in problem
 
 
+# ------------------------------------------------- supervision, on a scripted Ray
+
+
+class FakeTaskError(Exception):
+    def __init__(self, cause: BaseException):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class FakeRef:
+    """A task's result: pending until the test finishes it."""
+
+    def __init__(self, value: object = None, done: bool = False):
+        self.value, self.error, self.done = value, None, done
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self.error, self.done = error, True
+
+
+class FakeActor:
+    def __init__(self, ray: FakeRay):
+        info = {"ip": "10.0.0.9", "node_id": "abcdef12", "pid": 4242}
+        self.start = SimpleNamespace(remote=lambda *args: FakeRef(info, done=True))
+        self.run = SimpleNamespace(remote=lambda argv, env: ray.started(self, argv))
+
+
+class FakeRay:
+    """What RayRun calls of ray, with each role's task finished by ``script``."""
+
+    exceptions = SimpleNamespace(RayError=FakeTaskError, RayTaskError=FakeTaskError)
+
+    def __init__(self, script: Callable[[FakeRay], None]):
+        self.script = script
+        self.runs: list[tuple[FakeActor, list[str], FakeRef]] = []
+        self.killed: list[FakeActor] = []
+
+    def started(self, actor: FakeActor, argv: list[str]) -> FakeRef:
+        self.runs.append((actor, argv, FakeRef()))
+        return self.runs[-1][2]
+
+    def run_of(self, name: str, restarts: int = 0) -> FakeRef:
+        """The role ``name`` (buffer, learner, generator-0) ran with ``--restarts``."""
+        for _, argv, ref in self.runs:
+            restarted = int(argv[argv.index("--restarts") + 1]) if "--restarts" in argv else 0
+            if argv[0] == name.split("-")[0] and restarted == restarts:
+                return ref
+        raise LookupError(f"{name} was not run with --restarts {restarts}")
+
+    def remote(self, cls: type) -> SimpleNamespace:
+        actors = SimpleNamespace(remote=lambda: FakeActor(self))
+        return SimpleNamespace(options=lambda **options: actors)
+
+    def wait(self, refs: list[FakeRef], num_returns: int = 1, timeout: float = 0):
+        if self.runs:  # the roles have started (not while placing the actors)
+            self.script(self)
+        time.sleep(0.01)
+        done = [ref for ref in refs if ref.done][:num_returns]
+        return done, [ref for ref in refs if ref not in done]
+
+    def get(self, refs: FakeRef | list[FakeRef]) -> object:
+        if isinstance(refs, list):
+            return [self.get(ref) for ref in refs]
+        if refs.error is not None:
+            raise refs.error
+        return refs.value
+
+    def kill(self, actor: FakeActor) -> None:
+        self.killed.append(actor)
+
+
+class RecordingConsole:
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+        self.states: list[tuple[str, int]] = []
+
+    def note(self, message: str, error: bool = False) -> None:
+        self.notes.append(message)
+
+    def update(self, health: list) -> None:
+        for replica in health:
+            if replica.name == "generator-0" and (replica.state, replica.restarts) not in (
+                self.states[-1:] or [None]
+            ):
+                self.states.append((replica.state, replica.restarts))
+
+
+def supervised(tmp_path: Path, script: Callable[[FakeRay], None]) -> tuple:
+    """RayRun.supervise on the quickstart (one generator) against a scripted Ray."""
+    config = load_config(QUICKSTART, ["cluster.backend=ray", "generators.replicas=1"])
+    ray, console = FakeRay(script), RecordingConsole()
+    (tmp_path / "logs").mkdir()  # made by the launcher before RayRun
+    run = RayRun(ray, config, tmp_path, None, StopRequests())
+    run.create_actors()
+    run.run_roles()
+    return run.supervise(console), ray, console
+
+
+def test_a_generator_whose_role_raises_gets_a_new_actor_with_restarts_1(tmp_path):
+    def script(ray: FakeRay) -> None:
+        generator = ray.run_of("generator-0")
+        if not generator.done:
+            generator.finish(FakeTaskError(RuntimeError("boom")))
+        with contextlib.suppress(LookupError):
+            ray.run_of("generator-0", restarts=1)
+            ray.run_of("learner").finish()
+
+    failure, ray, console = supervised(tmp_path, script)
+    assert failure is None
+    first_actor = ray.runs[2][0]
+    assert ray.killed == [first_actor]  # its resources freed for the new one
+    assert [argv[2:] for _, argv, _ in ray.runs if argv[0] == "generator"] == [
+        ["--index", "0", "--pool", "default"],
+        ["--index", "0", "--pool", "default", "--restarts", "1"],
+    ]
+    stopped, again = console.notes
+    assert stopped.startswith("asyncrl: actor generator-0 on 10.0.0.9: stopped after ")
+    assert stopped.endswith(" (RuntimeError: boom); restarting it in 1s")  # an empty log
+    assert again == "asyncrl: generator-0 started again (restart 1) on 10.0.0.9"
+    # waiting out the back-off, then for Ray to place the new actor (restart 1)
+    assert console.states == [("alive", 0), ("restarting", 0), ("restarting", 1), ("alive", 1)]
+    log = (tmp_path / "logs" / "generator-0.log").read_text()
+    assert log == "---- asyncrl launch: restart 1 ----\n"  # the fake actors write nothing
+
+
+def test_the_buffer_stopping_still_fails_the_run_at_once(tmp_path):
+    def script(ray: FakeRay) -> None:
+        if ray.run_of("generator-0").done:
+            ray.run_of("buffer").finish()
+        else:  # a generator returning is restarted, not a failure
+            ray.run_of("generator-0").finish()
+
+    failure, _, console = supervised(tmp_path, script)
+    assert failure == "actor buffer on 10.0.0.9: stopped before the learner finished"
+    assert "(its role returned); restarting it in 1s" in console.notes[0]
+
+
 # ---------------------------------------------------------------- end to end
 
 
@@ -97,13 +237,18 @@ def ray_temp_dir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def launch(run_dir: Path, ray_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+def launch_command(run_dir: Path, ray_dir: Path, *overrides: str) -> dict:
+    """``subprocess`` arguments of ``asyncrl launch --quiet`` on the quickstart under Ray."""
     command = [
         sys.executable, "-m", "asyncrl", "launch", str(QUICKSTART), "cluster.backend=ray",
         *overrides, "--run-dir", str(run_dir), "--quiet",
     ]  # fmt: skip
-    env = {**os.environ, "RAY_TMPDIR": str(ray_dir)}
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    return {"args": command, "cwd": REPO, "env": {**os.environ, "RAY_TMPDIR": str(ray_dir)}}
+
+
+def launch(run_dir: Path, ray_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    arguments = launch_command(run_dir, ray_dir, *overrides)
+    return subprocess.run(**arguments, capture_output=True, text=True, timeout=300)
 
 
 def processes_of(ray_dir: Path, run_dir: Path) -> list[psutil.Process]:
@@ -177,6 +322,76 @@ def test_a_failing_actor_fails_the_run_naming_it_and_its_error(tmp_path):
     assert "/nonexistent/model" in result.stderr
     # the tail of that actor's log, which holds the role's traceback
     assert f"last lines of {run_dir / 'logs'}" in result.stderr and 'File "' in result.stderr
+
+
+def actor_process(log_path: Path, ray_dir: Path) -> psutil.Process:
+    """The process of the actor that last started writing ``log_path`` (each actor says
+    its pid there), checked to belong to this test's Ray."""
+    pids = re.findall(r"asyncrl: ray actor [\w-]+: pid (\d+) on node", log_path.read_text())
+    assert pids, f"no actor pid in {log_path}"
+    process = psutil.Process(int(pids[-1]))
+    assert process.environ().get("RAY_TMPDIR") == str(ray_dir), process.cmdline()
+    return process
+
+
+def wait_for_steps(run_dir: Path, driver: subprocess.Popen, steps: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    metrics = run_dir / "metrics.jsonl"
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < steps:
+        assert driver.poll() is None, f"the driver exited with status {driver.returncode}"
+        assert time.monotonic() < deadline, f"no step {steps} within {timeout_s:.0f}s"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_killed_generator_actor_is_replaced_and_every_step_is_trained(tmp_path):
+    # One replica: the steps after the kill can only come from its new actor.
+    run_dir, out, err = tmp_path / "run", tmp_path / "out.txt", tmp_path / "err.txt"
+    overrides = (
+        "run.total_steps=20", "generators.replicas=1", "tracking.aim=false",
+        "buffer.heartbeat_timeout_s=3",
+    )  # fmt: skip
+    with ray_temp_dir() as ray_dir:
+        with out.open("w") as stdout, err.open("w") as stderr:
+            arguments = launch_command(run_dir, ray_dir, *overrides)
+            driver = subprocess.Popen(**arguments, stdout=stdout, stderr=stderr, text=True)
+        try:
+            wait_for_steps(run_dir, driver, 3, timeout_s=120)
+            victim = actor_process(run_dir / "logs" / "generator-0.log", ray_dir)
+            victim.send_signal(signal.SIGKILL)
+            status = driver.wait(timeout=180)
+        finally:
+            if driver.poll() is None:  # a failed assertion: let the driver stop its Ray
+                driver.terminate()
+                try:
+                    driver.wait(timeout=40)
+                except subprocess.TimeoutExpired:
+                    driver.kill()
+                    driver.wait()
+        assert_nothing_left(ray_dir, run_dir)
+    stdout_text, stderr_text = out.read_text(), err.read_text()
+    assert status == 0, stdout_text + stderr_text
+    assert "asyncrl: actor generator-0 on 127.0.0.1: " in stderr_text
+    assert "restarting it in 1s; last lines of" in stderr_text
+    assert "asyncrl: generator-0 started again (restart 1) on 127.0.0.1" in stderr_text
+    assert "step   20/20" in stdout_text
+
+    records = read_metrics(run_dir)
+    assert [r["version"] for r in records] == list(range(1, 21))
+    # the new actor ran `--restarts 1` (replica gen-0-r1), which the buffer counted
+    assert records[-1]["generators_restarts_total"] == 1
+    assert records[-1]["pool_default_restarts_total"] == 1
+    trained = [json.loads(line) for line in (run_dir / "trained_groups.jsonl").open()]
+    assert sorted(r["step"] for r in trained) == list(range(20))
+    groups = [group for record in trained for group in record["group_ids"]]
+    assert len(set(groups)) == len(groups), "a group trained twice"
+    # the log: the killed actor's output, the launcher's marker, the new actor's
+    log = (run_dir / "logs" / "generator-0.log").read_text()
+    before, after = log.split("---- asyncrl launch: restart 1 ----\n")
+    pid = re.compile(r"asyncrl: ray actor generator-0: pid (\d+)")
+    assert pid.findall(before) == [str(victim.pid)]
+    assert len(pid.findall(after)) == 1 and pid.findall(after) != [str(victim.pid)]
+    assert (run_dir / "final" / "config.json").exists()
 
 
 TWO_NODES = """
