@@ -124,21 +124,62 @@ def engine_generation_s(config_path: Path, overrides: list[str], repeats: int) -
     return statistics.median(times)
 
 
-def compare(sync: dict, asynchronous: dict) -> dict[str, float]:
-    """The ideal ratio from the sync run's phases against the measured one."""
-    tg = sync["wait_s"]
-    tt = sync["step_s"] - tg
-    ideal = common.ideal_ratio(tg, tt)
+def work_per_step(run: dict, role_prefix: str) -> float | None:
+    """Seconds per step a role's main thread was busy (mean over replicas), from the kernel."""
+    fractions = [v["busy_frac"] for k, v in run["busy"].items() if k.startswith(role_prefix)]
+    return statistics.fmean(fractions) * run["step_s"] if fractions else None
+
+
+def compare(sync: dict, asynchronous: dict) -> dict[str, float | None]:
+    """The ideal async/sync ratio, two ways, against the measured one.
+
+    Work: Tg and Tt are the seconds per step the generator and the learner were
+    busy in the sync run; whatever else the sync step holds is lockstep idle
+    time (neither busy: polls, replies, scoring), which an async run can hide
+    too. Phases: Tg is the learner's wait in the sync run, Tt the rest of its
+    step, so Tg + Tt is the whole sync step and the idle time counts as generation.
+    """
     measured = asynchronous["samples_per_s"] / sync["samples_per_s"]
-    return {
-        "tg_s": tg,
-        "tt_s": tt,
-        "ideal_ratio": ideal,
+    tg_wait = sync["wait_s"]
+    tt_rest = sync["step_s"] - tg_wait
+    out: dict[str, float | None] = {
         "samples_ratio": measured,
         "tokens_ratio": asynchronous["tokens_per_s"] / sync["tokens_per_s"],
+        "tg_wait_s": tg_wait,
+        "tt_rest_s": tt_rest,
+        "ideal_ratio_phases": common.ideal_ratio(tg_wait, tt_rest),
+        "tg_s": None,
+        "tt_s": None,
+    }
+    tg, tt = work_per_step(sync, "generator"), work_per_step(sync, "learner")
+    if tg is None or tt is None:  # too short a run for the sampler to bracket
+        return out
+    ideal = common.ideal_ratio(tg, tt)
+    out |= {
+        "tg_s": tg,
+        "tt_s": tt,
+        "sync_idle_s": sync["step_s"] - tg - tt,
+        "ideal_ratio": ideal,
         "of_ideal": measured / ideal,
         "speedup_captured": common.speedup_captured(measured, ideal),
+        "ceiling_vs_this_sync": sync["step_s"] / max(tg, tt),
+        "async_step_s": asynchronous["step_s"],
+        "overlap_efficiency": max(tg, tt) / asynchronous["step_s"],
     }
+    return out
+
+
+def summarize_rounds(rounds: list[dict]) -> dict[str, object]:
+    """Means over rounds of every comparison figure, and each round's ratio."""
+    keys = [k for k, v in rounds[0].items() if isinstance(v, float)]
+    summary: dict[str, object] = {
+        key: statistics.fmean(r[key] for r in rounds if r.get(key) is not None)
+        for key in keys
+        if any(r.get(key) is not None for r in rounds)
+    }
+    summary["samples_ratio_per_round"] = [r["samples_ratio"] for r in rounds]
+    summary["ideal_ratio_per_round"] = [r.get("ideal_ratio") for r in rounds]
+    return summary
 
 
 def main() -> None:
@@ -155,7 +196,22 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/asyncrl-bench/async_vs_sync"))
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--quick", action="store_true", help="30 steps, 1 round: a smoke test")
+    parser.add_argument(
+        "--recompute", action="store_true", help="recompute --out's comparisons, run nothing"
+    )
     args = parser.parse_args()
+    if args.recompute:
+        report = json.loads(args.out.read_text())
+        report["rounds"] = [
+            {key: r[key] for key in ("order", "sync", "async")} | compare(r["sync"], r["async"])
+            for r in report["rounds"]
+        ]
+        report["summary"] = summarize_rounds(report["rounds"]) | {
+            "engine_generation_s": report["summary"]["engine_generation_s"]
+        }
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        print(json.dumps(report["summary"], indent=1))
+        return
     if args.quick:
         args.steps, args.rounds = 30, 1
     args.config = args.config.resolve()
@@ -183,16 +239,7 @@ def main() -> None:
         rounds.append({"order": list(order), **runs, **compare(runs["sync"], runs["async"])})
         print(json.dumps({k: v for k, v in rounds[-1].items() if k not in order}), flush=True)
 
-    def pooled(mode: str) -> dict[str, float]:
-        return {
-            key: statistics.fmean(r[mode][key] for r in rounds)
-            for key in ("samples_per_s", "tokens_per_s", "step_s", "wait_s")
-        }
-
-    summary = compare(pooled("sync"), pooled("async"))
-    summary["samples_ratio_per_round"] = [r["samples_ratio"] for r in rounds]
-    summary["ideal_ratio_per_round"] = [r["ideal_ratio"] for r in rounds]
-    summary["engine_generation_s"] = engine_s
+    summary = summarize_rounds(rounds) | {"engine_generation_s": engine_s}
     machine["loadavg_end"] = common.loadavg()
     report = {
         "machine": machine,

@@ -139,6 +139,13 @@ def mean_curve(group: list[dict], x: str) -> tuple[list[float], list[float], lis
     return xs, ys, errs
 
 
+def band(ax, xs: list[float], ys: list[float], errs: list[float], color, alpha: float) -> None:
+    """Shade one standard error either side of a mean curve."""
+    low = [y - e for y, e in zip(ys, errs, strict=True)]
+    high = [y + e for y, e in zip(ys, errs, strict=True)]
+    ax.fill_between(xs, low, high, color=color, alpha=alpha, linewidth=0)
+
+
 def plot(runs: list[dict], out_dir: Path, title: str) -> list[Path]:
     try:
         import matplotlib
@@ -170,9 +177,7 @@ def plot(runs: list[dict], out_dir: Path, title: str) -> list[Path]:
                 xs, ys, errs = mean_curve(group, x)
                 stale = statistics.fmean(r["staleness_mean"] for r in group)
                 ax.plot(xs, ys, color=color[k], label=f"k={k} (staleness {stale:.1f})")
-                low = [y - e for y, e in zip(ys, errs, strict=True)]
-                high = [y + e for y, e in zip(ys, errs, strict=True)]
-                ax.fill_between(xs, low, high, color=color[k], alpha=0.2, linewidth=0)
+                band(ax, xs, ys, errs, color[k], 0.2)
             ax.set_title(f"correction = {correction}")
             ax.set_xlabel(label)
             ax.grid(alpha=0.3)
@@ -192,6 +197,7 @@ def plot(runs: list[dict], out_dir: Path, title: str) -> list[Path]:
             on_policy = [r for r in runs if r["staleness"] == 0]
             xs, ys, errs = mean_curve(on_policy, "samples")
             ax.plot(xs, ys, color="black", label="k=0, on-policy (all corrections)")
+            band(ax, xs, ys, errs, "black", 0.12)
             for correction in corrections:
                 style = CORRECTION_COLORS[correction]
                 group = [r for r in runs if r["staleness"] == k and r["correction"] == correction]
@@ -199,9 +205,7 @@ def plot(runs: list[dict], out_dir: Path, title: str) -> list[Path]:
                     continue
                 xs, ys, errs = mean_curve(group, "samples")
                 ax.plot(xs, ys, color=style, label=f"k={k}, {correction}")
-                low = [y - e for y, e in zip(ys, errs, strict=True)]
-                high = [y + e for y, e in zip(ys, errs, strict=True)]
-                ax.fill_between(xs, low, high, color=style, alpha=0.2, linewidth=0)
+                band(ax, xs, ys, errs, style, 0.2)
             ax.set_title(f"max_staleness = {k} against on-policy")
             ax.set_xlabel("samples trained on")
             ax.grid(alpha=0.3)
@@ -278,6 +282,10 @@ def main() -> None:
         }
     if not args.plot_only:
         started = time.monotonic()
+        invocation = {
+            "command": " ".join(["python", "benchmarks/staleness_sweep.py", *sys.argv[1:]]),
+            "loadavg_start": common.loadavg(),
+        }
         done = {r["key"] for r in report["runs"]}
         for seed in args.seeds:  # seeds outermost: a cut-short sweep still has whole seeds
             for staleness in args.staleness:
@@ -294,8 +302,8 @@ def main() -> None:
                     )
                     args.out.parent.mkdir(parents=True, exist_ok=True)
                     args.out.write_text(json.dumps(report) + "\n")
-        report["machine"]["loadavg_end"] = common.loadavg()
-        report["seconds"] = report.get("seconds", 0.0) + time.monotonic() - started
+        invocation |= {"loadavg_end": common.loadavg(), "seconds": time.monotonic() - started}
+        report.setdefault("invocations", []).append(invocation)
 
     report["targets"] = args.targets
     report["table"] = table(report["runs"], args.targets)

@@ -45,16 +45,29 @@ def test_speedup_captured_maps_sync_speed_to_0_and_the_ideal_to_1():
         common.speedup_captured(1.2, 1.0)
 
 
-def test_compare_takes_tg_from_the_wait_and_tt_from_the_rest_of_the_sync_step():
-    sync = {"wait_s": 0.10, "step_s": 0.15, "samples_per_s": 100.0, "tokens_per_s": 1000.0}
-    fast = {"samples_per_s": 125.0, "tokens_per_s": 1300.0}
-    out = async_vs_sync.compare(sync, fast)
-    assert out["tg_s"] == pytest.approx(0.10)
-    assert out["tt_s"] == pytest.approx(0.05)
-    assert out["ideal_ratio"] == pytest.approx(1.5)  # 0.15 / 0.10
-    assert out["samples_ratio"] == pytest.approx(1.25)
-    assert out["tokens_ratio"] == pytest.approx(1.3)
-    assert out["speedup_captured"] == pytest.approx(0.5)  # 0.25 of a possible 0.5
+def test_compare_splits_the_sync_step_into_work_and_idle_time():
+    # sync step 0.20 s: generator busy 0.06 s, learner 0.08 s, the other 0.06 s idle;
+    # the learner waited 0.12 s of it for the batch
+    busy = {"generator-0": {"busy_frac": 0.3}, "learner": {"busy_frac": 0.4}, "buffer": {}}
+    sync = {"wait_s": 0.12, "step_s": 0.20, "samples_per_s": 100.0, "tokens_per_s": 1000.0}
+    fast = {"step_s": 0.10, "samples_per_s": 170.0, "tokens_per_s": 1800.0}
+    out = async_vs_sync.compare(sync | {"busy": busy}, fast)
+    assert out["tg_s"] == pytest.approx(0.06)
+    assert out["tt_s"] == pytest.approx(0.08)
+    assert out["sync_idle_s"] == pytest.approx(0.06)
+    assert out["ideal_ratio"] == pytest.approx(1.75)  # (0.06 + 0.08) / 0.08
+    assert out["samples_ratio"] == pytest.approx(1.7)
+    assert out["tokens_ratio"] == pytest.approx(1.8)
+    assert out["ceiling_vs_this_sync"] == pytest.approx(2.5)  # 0.20 / 0.08
+    assert out["overlap_efficiency"] == pytest.approx(0.8)  # 0.08 / 0.10
+    assert out["ideal_ratio_phases"] == pytest.approx(0.20 / 0.12)
+
+
+def test_compare_without_kernel_readings_gives_the_phase_split_only():
+    sync = {"wait_s": 0.12, "step_s": 0.20, "samples_per_s": 100.0, "tokens_per_s": 1.0}
+    out = async_vs_sync.compare(sync | {"busy": {}}, {"samples_per_s": 150.0, "tokens_per_s": 1.0})
+    assert out["tg_s"] is None
+    assert out["ideal_ratio_phases"] == pytest.approx(0.20 / 0.12)
 
 
 def test_moving_average_averages_what_exists_at_the_start():
