@@ -49,8 +49,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    lines = path.read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    text = path.read_text()
+    complete = text[: text.rfind("\n") + 1]  # a live learner may be writing the last line
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 def show(run_dir: Path, console: Console | None = None) -> int:

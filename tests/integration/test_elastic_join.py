@@ -26,8 +26,7 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
 
 
 def metrics_lines(run_dir) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+    return len(read_metrics(run_dir))
 
 
 def test_a_generator_joins_mid_run_and_leaves_without_loss(tmp_path):
@@ -57,9 +56,8 @@ def test_a_generator_joins_mid_run_and_leaves_without_loss(tmp_path):
         )  # fmt: skip
 
         def extra_sent() -> float:
-            if not metrics_lines(run_dir):
-                return 0.0
-            return read_metrics(run_dir)[-1].get("pool_extra_samples_sent_total", 0.0)
+            records = read_metrics(run_dir)
+            return records[-1].get("pool_extra_samples_sent_total", 0.0) if records else 0.0
 
         wait_for(lambda: extra_sent() > 0, 120, "the joined generator's samples")
         status = subprocess.run(

@@ -24,7 +24,12 @@ def launch(run_dir: Path, *overrides: str, timeout: float = 600) -> subprocess.C
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """Every complete line of metrics.jsonl (the learner may be writing the last one)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    text = path.read_text()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
 def processes_of(run_dir: Path) -> list[psutil.Process]:

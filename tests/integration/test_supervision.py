@@ -80,8 +80,12 @@ def start(tmp_path: Path, *overrides: str) -> Launch:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """Every complete line of metrics.jsonl (the learner may be writing the last one)."""
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    if not path.exists():
+        return []
+    text = path.read_text()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
 def trained_groups(run_dir: Path) -> dict[int, list[int]]:
