@@ -392,19 +392,21 @@ def launch(
                 supervisor.stop_all(hurry=signals.hurry)
                 _kill_orphans()
         console.update(supervisor.health())  # the steps logged while stopping
-        if status == 0 and not _wrote_final_policy(run_dir, started):
+        if status == 0 and not wrote_final_policy(run_dir, started):
             failure, status = "the learner exited before run.total_steps without an error", 1
-        message = _closing_message(run_dir, status, failure, time.time() - started)
+        message = closing_message(run_dir, status, failure, time.time() - started)
         console.note(message, error=status != 0)
     return status
 
 
-def _wrote_final_policy(run_dir: Path, since: float) -> bool:
+def wrote_final_policy(run_dir: Path, since: float) -> bool:
+    """Whether the learner saved the final policy during this launch (a clean finish)."""
     final = run_dir / "final" / "config.json"
     return final.exists() and final.stat().st_mtime >= since
 
 
-def _closing_message(run_dir: Path, status: int, failure: str | None, elapsed_s: float) -> str:
+def closing_message(run_dir: Path, status: int, failure: str | None, elapsed_s: float) -> str:
+    """The last words of a launch (local or Ray): done, or why not and how to resume."""
     if status == 0:
         return f"done in {elapsed_s:.1f}s; final policy in {run_dir / 'final'}"
     lines = [f"asyncrl: run failed: {failure}" if failure else "asyncrl: stopped"]

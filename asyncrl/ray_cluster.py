@@ -41,8 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config, save_config
-from asyncrl.launch import Replica
-from asyncrl.paths import latest_checkpoint
+from asyncrl.launch import Replica, closing_message, wrote_final_policy
 from asyncrl.ray_actors import RoleActor, terminate
 
 if TYPE_CHECKING:
@@ -234,9 +233,10 @@ def launch_ray(
                 finally:
                     run.stop()
             console.update(run.health())  # the steps logged while stopping
-            if status == 0 and not _wrote_final_policy(run_dir, started):
+            if status == 0 and not wrote_final_policy(run_dir, started):
                 failure, status = "the learner stopped before run.total_steps without an error", 1
-            console.note(_closing_message(run_dir, status, failure, started), error=status != 0)
+            message = closing_message(run_dir, status, failure, time.time() - started)
+            console.note(message, error=status != 0)
     finally:
         ray.shutdown()
     return status
@@ -672,24 +672,6 @@ def _with_keys(config: Config, run_dir: Path) -> Config:
     from asyncrl.security import resolve_keys
 
     return resolve_keys(config, run_dir)
-
-
-def _wrote_final_policy(run_dir: Path, since: float) -> bool:
-    final = run_dir / "final" / "config.json"
-    return final.exists() and final.stat().st_mtime >= since
-
-
-def _closing_message(run_dir: Path, status: int, failure: str | None, started: float) -> str:
-    if status == 0:
-        return f"done in {time.time() - started:.1f}s; final policy in {run_dir / 'final'}"
-    lines = [f"asyncrl: run failed: {failure}" if failure else "asyncrl: stopped"]
-    checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is not None:
-        lines.append(
-            f"asyncrl: continue the run from {checkpoint.name} with: "
-            f"asyncrl launch --resume {run_dir}"
-        )
-    return "\n".join(lines)
 
 
 def _last_line(text: str) -> str:
