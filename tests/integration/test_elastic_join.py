@@ -11,7 +11,9 @@ import time
 
 import pytest
 import yaml
-from test_launch_end_to_end import REPO, processes_of, read_metrics
+from test_launch_end_to_end import REPO, processes_of
+
+from asyncrl.status import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,9 @@ learner, with the environment's reward and its counters in the metrics."""
 from __future__ import annotations
 
 import pytest
-from test_launch_end_to_end import REPO, launch, processes_of, read_metrics
+from test_launch_end_to_end import REPO, launch, processes_of
+
+from asyncrl.status import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from asyncrl.status import read_metrics
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,15 +23,6 @@ def launch(run_dir: Path, *overrides: str, timeout: float = 600) -> subprocess.C
         *overrides, "--run-dir", str(run_dir),
     ]  # fmt: skip
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    """Every complete line of metrics.jsonl (the learner may be writing the last one)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    text = path.read_text()
-    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
 def processes_of(run_dir: Path) -> list[psutil.Process]:

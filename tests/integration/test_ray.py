@@ -31,6 +31,7 @@ from asyncrl.ray_cluster import (
     local_resources,
     rank_env,
 )
+from asyncrl.status import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs/quickstart.yaml"
@@ -274,15 +275,6 @@ def assert_nothing_left(ray_dir: Path, run_dir: Path) -> None:
         with contextlib.suppress(psutil.Error):
             process.kill()
     assert left == [], [p.info["cmdline"] for p in left]
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    """Every complete line of metrics.jsonl (the learner may be writing the last one)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    text = path.read_text()
-    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
 @pytest.mark.slow

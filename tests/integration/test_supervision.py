@@ -20,6 +20,7 @@ import pytest
 
 from asyncrl.launch import STOP_TIMEOUT_S
 from asyncrl.paths import latest_checkpoint
+from asyncrl.status import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -77,15 +78,6 @@ def start(tmp_path: Path, *overrides: str) -> Launch:
     run_dir = tmp_path / "run"
     return Launch(run_dir, str(REPO / "configs/quickstart.yaml"), *COMMON, *overrides,
                   "--run-dir", str(run_dir))  # fmt: skip
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    """Every complete line of metrics.jsonl (the learner may be writing the last one)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    text = path.read_text()
-    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
 def trained_groups(run_dir: Path) -> dict[int, list[int]]:
