@@ -46,7 +46,7 @@ import psutil
 
 from asyncrl.config import Config, save_config
 from asyncrl.console import ReplicaHealth, RunConsole, open_console
-from asyncrl.paths import latest_checkpoint
+from asyncrl.paths import latest_checkpoint, replica_name
 from asyncrl.security import resolve_keys
 from asyncrl.transport import free_port
 
@@ -170,8 +170,7 @@ class Supervisor:
         self.start("learner", "learner", *resume, ranks=self.config.learner.world_size)
         for pool in self.config.generators.resolved_pools():
             for index in range(pool.replicas):
-                prefix = "generator" if pool.name == "default" else f"generator-{pool.name}"
-                replica = Replica(f"{prefix}-{index}", pool.name, index)
+                replica = Replica(replica_name(pool.name, index), pool.name, index)
                 self.replicas[replica.name] = replica
                 self._start_generator(replica)
 

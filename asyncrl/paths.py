@@ -25,3 +25,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         if _STEP.match(path.name) and (path / COMPLETE).exists()
     ]
     return max(candidates, key=lambda path: int(_STEP.match(path.name)[1]), default=None)
+
+
+def replica_name(pool: str, index: int) -> str:
+    """A generator replica's process name: its log is ``logs/NAME.log`` and its scratch
+    directory ``RUN_DIR/NAME``; ``generator-0`` in the default pool, ``generator-fast-0``."""
+    return f"generator-{index}" if pool == "default" else f"generator-{pool}-{index}"

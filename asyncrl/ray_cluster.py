@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config, save_config
 from asyncrl.launch import Replica, closing_message, wrote_final_policy
+from asyncrl.paths import replica_name
 from asyncrl.ray_actors import RoleActor, terminate
 
 if TYPE_CHECKING:
@@ -147,9 +148,8 @@ def generator_replicas(config: Config) -> list[tuple[str, str, int, float, float
     replicas = []
     for pool in config.generators.resolved_pools():
         for index in range(pool.replicas):
-            prefix = "generator" if pool.name == "default" else f"generator-{pool.name}"
             replicas.append(
-                (f"{prefix}-{index}", pool.name, index, pool.settings.num_cpus,
+                (replica_name(pool.name, index), pool.name, index, pool.settings.num_cpus,
                  pool.settings.num_gpus)
             )  # fmt: skip
     return replicas

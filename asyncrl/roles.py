@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from asyncrl.config import config_from_dict
+from asyncrl.paths import replica_name
 
 ROLES = ("buffer", "learner", "generator")
 
@@ -33,8 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     name = args.role
     if args.role == "generator":
-        pool = "" if args.pool == "default" else f"{args.pool}-"
-        name = f"generator-{pool}{args.index}"
+        name = replica_name(args.pool, args.index)
     if args.role == "learner" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         name = f"learner-{os.environ['RANK']}"
     logging.basicConfig(

@@ -49,6 +49,7 @@ from asyncrl.messages import (
     WorkRequest,
 )
 from asyncrl.models import build_policy
+from asyncrl.paths import replica_name
 from asyncrl.rewards import RewardScorer, Score
 from asyncrl.security import client_context
 from asyncrl.transport import RequestClient, tcp
@@ -298,9 +299,7 @@ def run(
 ) -> None:
     """A replica the launcher started: endpoints from the run's config."""
     cluster = config.cluster
-    work_dir = run_dir / (
-        f"generator-{replica_index}" if pool == "default" else f"generator-{pool}-{replica_index}"
-    )
+    work_dir = run_dir / replica_name(pool, replica_index)
     serve(
         config,
         generator_id(pool, replica_index, restarts),
