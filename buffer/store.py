@@ -216,20 +216,22 @@ class BufferStore:
             if now - seen > self.heartbeat_timeout_s
         )
         for generator_id in expired:
-            del self.last_seen[generator_id]
-            for group in [g for g in self.in_flight.values() if g.generator_id == generator_id]:
-                self._requeue(group)
+            self._forget(generator_id)
         return expired
 
     def leave(self, generator_id: str) -> int:
         """``generator_id`` stopped on purpose: requeue its unfinished groups now.
 
         Returns how many were requeued (counted like expiry's, as ``requeued_groups``)."""
+        self.counters["generators_left"] += 1
+        return self._forget(generator_id)
+
+    def _forget(self, generator_id: str) -> int:
+        """Stop tracking ``generator_id`` and requeue its unfinished groups; how many."""
         self.last_seen.pop(generator_id, None)
         groups = [g for g in self.in_flight.values() if g.generator_id == generator_id]
         for group in groups:
             self._requeue(group)
-        self.counters["generators_left"] += 1
         return len(groups)
 
     def _requeue(self, group: Group) -> None:
