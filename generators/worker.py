@@ -139,6 +139,13 @@ class GeneratorReplica:
             self.scoring.append((rollout, scored))
         self.stats.update({f"env_{key}": value for key, value in self.episodes.stats.items()})
 
+    def close(self) -> None:
+        """Leave the run, then stop the reward workers and the environments' threads."""
+        self.leave()
+        self.scorer.close()
+        if self.episodes is not None:
+            self.episodes.close()
+
     def leave(self) -> None:
         """Tell the buffer this replica stops, so its unfinished groups are requeued now."""
         try:
@@ -380,10 +387,7 @@ def serve(
         try:
             replica.run_loop()
         finally:
-            replica.leave()
-            replica.scorer.close()
-            if replica.episodes is not None:
-                replica.episodes.close()
+            replica.close()
     finally:
         backend.close()
         context.destroy(linger=0)
