@@ -190,6 +190,9 @@ class LearnerConfig(_Section):
     """Optimizer updates per batch. Above 1 the proximal policy costs one extra forward pass."""
     checkpoint_every: int = Field(0, ge=0)
     """Save a sharded checkpoint every this many steps (0: only the final policy)."""
+    stop_timeout_s: float = Field(8.0, gt=0.0)
+    """On a stop, the learner is killed unless it has saved its final checkpoint and exited
+    this long after the generators' 4 s share; raise it for models that save slowly."""
     num_threads: int = Field(1, ge=1)
     """torch intra-op threads per learner rank."""
     num_cpus_per_rank: float = Field(1.0, gt=0.0)

@@ -20,7 +20,7 @@ buffer      any status                         stop the run, show its log's tail
 =========== ================================== =====================================
 
 Stopping (completion, failure, SIGINT/SIGTERM/SIGHUP) goes in dependency
-order, all within :data:`STOP_TIMEOUT_S`: generators first (each finishes its
+order, all within :func:`stop_timeout_s`: generators first (each finishes its
 chunk), then the learner (on SIGTERM it checkpoints its last complete step,
 which needs the buffer), then the buffer; whatever is left is killed, the
 learner's torchrun ranks included. Every child runs in its own session, so a
@@ -52,15 +52,32 @@ from asyncrl.transport import free_port
 
 TICK_S = 0.2
 """How often the launcher looks at its processes and at ``metrics.jsonl``."""
-STOP_TIMEOUT_S = 15.0
-"""Every process of the run is gone this long after the stop began."""
-STOP_PHASES = (("generators", 4.0), ("learner", 12.0), ("buffer", 14.0))
-"""Seconds into the stop by which each role must have exited after its SIGTERM."""
+GENERATORS_STOP_S = 4.0
+"""Generators finish their chunk and leave within this."""
+BUFFER_STOP_S = 2.0
+"""The buffer exits within this after the learner."""
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0
 """A generator up this long before it exits restarts after the first back-off again."""
 LOG_TAIL_LINES = 20
+
+
+def stop_phases(config: Config, slack_s: float = 0.0) -> tuple[tuple[str, float], ...]:
+    """Seconds into the stop by which each role must have exited after its SIGTERM.
+
+    The learner's share is ``learner.stop_timeout_s`` (its final checkpoint);
+    ``slack_s`` is added to each phase (Ray sends its signals through tasks).
+    """
+    generators = GENERATORS_STOP_S + slack_s
+    learner = generators + config.learner.stop_timeout_s + slack_s
+    return (("generator", generators), ("learner", learner), ("buffer", learner + BUFFER_STOP_S))
+
+
+def stop_timeout_s(config: Config, slack_s: float = 0.0) -> float:
+    """Every process of the run is gone this long after the stop began."""
+    return stop_phases(config, slack_s)[-1][1] + 1.0
+
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -237,7 +254,7 @@ class Supervisor:
     # ------------------------------------------------------------------- stop
 
     def stop_all(self, hurry: Callable[[], bool] = lambda: False) -> None:
-        """Stop every process in dependency order, all within :data:`STOP_TIMEOUT_S`.
+        """Stop every process in dependency order, all within :func:`stop_timeout_s`.
 
         ``hurry`` returning True (a second Ctrl-C) skips the waits: what is
         left is killed at once.
@@ -247,11 +264,11 @@ class Supervisor:
             replica.restart_at = None  # no restarts from here on
         descendants = self._descendants()  # torchrun's ranks, reward workers: killed last
         roles = {
-            "generators": [name for name in self.processes if name in self.replicas],
+            "generator": [name for name in self.processes if name in self.replicas],
             "learner": ["learner"],
             "buffer": ["buffer"],
         }
-        for role, by_s in STOP_PHASES:
+        for role, by_s in stop_phases(self.config):
             running = [
                 self.processes[name]
                 for name in roles[role]

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config, save_config
-from asyncrl.launch import Replica, closing_message, wrote_final_policy
+from asyncrl.launch import Replica, closing_message, stop_phases, wrote_final_policy
 from asyncrl.paths import replica_name
 from asyncrl.ray_actors import RoleActor, terminate
 
@@ -50,10 +50,9 @@ if TYPE_CHECKING:
 
 TICK_S = 0.2
 """How often the driver looks at its actors and at ``metrics.jsonl``."""
-STOP_PHASES = (("generator", 5.0), ("learner", 15.0), ("buffer", 18.0))
-"""Seconds into the stop by which each role must have returned after its SIGTERM;
-then every actor is killed. A little longer than the local launcher's: the SIGTERM
-goes through a Ray task on the actor's node."""
+STOP_SLACK_S = 1.5
+"""Added to each phase of the local launcher's :func:`~asyncrl.launch.stop_phases`:
+the SIGTERM goes through a Ray task on the actor's node."""
 LOG_TAIL_LINES = 20
 RESTART_TAIL_LINES = 3
 """Log lines shown with a generator's restart note (the run goes on)."""
@@ -617,7 +616,7 @@ class RayRun:
 
         Generators first (each finishes its chunk), then the learner (it may
         need the buffer on the way out), then the buffer, each by SIGTERM and
-        within its phase of :data:`STOP_PHASES`; a second stop signal skips
+        within its phase of :func:`~asyncrl.launch.stop_phases`; a second stop signal skips
         the waits.
         """
         self.requests.stopping = True
@@ -625,7 +624,7 @@ class RayRun:
         for member in self.members:
             if member.replica is not None:
                 member.replica.restart_at = None  # no restarts from here on
-        for role, by_s in STOP_PHASES:
+        for role, by_s in stop_phases(self.config, STOP_SLACK_S):
             members = [
                 m
                 for m in self.members

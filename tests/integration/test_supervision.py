@@ -18,7 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from asyncrl.launch import STOP_TIMEOUT_S
+from asyncrl.config import load_config
+from asyncrl.launch import stop_timeout_s
 from asyncrl.paths import latest_checkpoint
 from asyncrl.status import read_metrics
 
@@ -145,8 +146,9 @@ def test_a_signal_stops_every_process_after_a_final_checkpoint(
         processes = run.tree()
         assert len(processes) >= 5 + (ranks > 1) * ranks  # launcher, buffer, learner, generators
         run.process.send_signal(stop_signal)
-        # the launcher kills what is left at STOP_TIMEOUT_S; a little slack for the kill itself
-        assert run.wait(timeout_s=STOP_TIMEOUT_S + 5) == status, run.stderr()
+        # the launcher kills what is left by stop_timeout_s; a little slack for the kill itself
+        limit_s = stop_timeout_s(load_config(run.run_dir / "config.yaml")) + 5
+        assert run.wait(timeout_s=limit_s) == status, run.stderr()
     finally:
         run.kill()
 
