@@ -2,6 +2,9 @@
 
 ``metrics.jsonl`` keeps the flat names the docs use (``buffer_dropped_stale``);
 aim gets the same values namespaced by their first word (``buffer/dropped_stale``).
+A value with nothing to measure this step (NaN: no token sampled with the current
+weights for ``logprob_mismatch``) is ``null`` in the JSON line, which stays strict
+JSON for any reader, and is left out of aim.
 With tracking off, :class:`NullAim` stands in so callers never branch.
 """
 
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +54,11 @@ class Tracker:
         self.aim = open_aim(run_dir, experiment, hparams) if use_aim else NullAim()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        measured = {key: value for key, value in metrics.items() if not _unmeasured(value)}
+        line = {"step": step, **{key: measured.get(key) for key in metrics}}
+        self.file.write(json.dumps(line, allow_nan=False) + "\n")
         self.file.flush()
-        for key, value in metrics.items():
+        for key, value in measured.items():
             self.aim.track(value, name=aim_name(key), step=step)
 
     def log_generations(self, step: int, generations: list[dict[str, Any]]) -> None:
@@ -68,3 +74,7 @@ class Tracker:
     def close(self) -> None:
         self.file.close()
         self.aim.close()
+
+
+def _unmeasured(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)

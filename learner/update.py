@@ -292,7 +292,7 @@ class Update:
                 weight,
             )
             # Tokens sampled with the weights being trained: generator and learner
-            # should agree on them up to numerics (NaN in the metrics if there are none).
+            # should agree on them up to numerics (null in metrics.jsonl if there are none).
             mismatch = (proximal - behavior).abs()[current]
             result["logprob_mismatch"] = (
                 mismatch.mean().item() if mismatch.numel() else 0.0,

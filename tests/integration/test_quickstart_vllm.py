@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +40,7 @@ def test_quickstart_with_vllm_generators_learns_with_matching_logprobs(tmp_path)
     first, last = sum(rewards[:3]) / 3, sum(rewards[-10:]) / 10
     assert last > 2 * first and last > 0.2, (first, last)
     # vLLM's recorded log-probs of current-version tokens are the learner's, up to numerics
-    mismatch = [r["logprob_mismatch"] for r in records if not math.isnan(r["logprob_mismatch"])]
+    mismatch = [r["logprob_mismatch"] for r in records if r["logprob_mismatch"] is not None]
     assert mismatch and max(mismatch) < 1e-4, mismatch
     log = (run_dir / "logs" / "generator-0.log").read_text()
     assert "loaded weights v" in log  # swapped in place, in the running engine

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from asyncrl.tracking import NullAim, Tracker, aim_name
 
 
@@ -25,6 +27,23 @@ def test_tracker_writes_one_json_line_per_step(tmp_path):
         {"step": 0, "reward_mean": 0.25, "version": 1},
         {"step": 1, "reward_mean": 0.5, "version": 2},
     ]
+
+
+def test_a_value_with_nothing_to_measure_is_null_in_strict_json_and_not_sent_to_aim(tmp_path):
+    tracked = []
+
+    class RecordingAim(NullAim):
+        def track(self, value, name, step):
+            tracked.append((name, step, value))
+
+    tracker = Tracker(tmp_path, "test", {}, use_aim=False)
+    tracker.aim = RecordingAim()
+    tracker.log(3, {"logprob_mismatch": float("nan"), "reward_mean": 0.5, "version": 4})
+    tracker.close()
+    text = (tmp_path / "metrics.jsonl").read_text()
+    line = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in the JSON line"))
+    assert line == {"step": 3, "logprob_mismatch": None, "reward_mean": 0.5, "version": 4}
+    assert tracked == [("reward/mean", 3, 0.5), ("version", 3, 4)]
 
 
 def test_aim_run_in_the_run_directory_holds_every_logged_value(tmp_path):
