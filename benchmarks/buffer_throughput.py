@@ -43,7 +43,6 @@ import contextlib
 import json
 import multiprocessing
 import os
-import platform
 import queue
 import statistics
 import subprocess
@@ -70,6 +69,9 @@ from asyncrl.messages import (
     encode,
 )
 from asyncrl.transport import client_socket, free_port, tcp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
 
 REPO = Path(__file__).resolve().parents[1]
 GROUP_SIZE = 8
@@ -510,29 +512,13 @@ def buffer_process(run_dir: Path) -> Iterator[subprocess.Popen]:
 
 
 def machine() -> dict:
-    cpu = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    gpu = "none"
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
-        gpu = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout.strip()
-        gpu = gpu or "none"
-    return {
-        "nproc": os.cpu_count(),
-        "cpu": cpu,
-        "gpu": gpu,
-        "os": platform.platform(),
-        "python": platform.python_version(),
+    return common.machine_info() | {
         "pyzmq": zmq.pyzmq_version(),
         "libzmq": zmq.zmq_version(),
         "numpy": np.__version__,
         "msgspec": msgspec.__version__,
         "uvloop": uvloop.__version__,
-        "loadavg_start": os.getloadavg(),
+        "loadavg_start": common.loadavg(),
     }
 
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/weights_publish.py            # full run, writes docs
     .venv/bin/python benchmarks/weights_publish.py --quick    # 10M only, under 30 s
-    .venv/bin/python benchmarks/weights_publish.py --render benchmarks/results/weights_publish.json
+    .venv/bin/python benchmarks/weights_publish.py --render docs/benchmarks/weights_publish.json
 
 For synthetic llama-shaped models of about 10M, 100M and 500M fp32 parameters,
 a learner-side process publishes with :class:`asyncrl.weights.WeightPublisher`
@@ -39,8 +39,6 @@ import ctypes
 import json
 import math
 import multiprocessing as mp
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -54,6 +52,9 @@ import zmq
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import common  # noqa: E402  (benchmarks/ is not a package: found on sys.path)
 
 from asyncrl.transport import free_port, tcp  # noqa: E402
 from asyncrl.weights import DEFAULT_CHUNK_BYTES, WeightClient, WeightPublisher  # noqa: E402
@@ -387,33 +388,19 @@ def run_size(name, shape, args, publisher, subscribers, version) -> tuple[dict, 
 
 
 def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        memory = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
-    except OSError:
-        memory = float("nan")
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": round(memory, 1),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
+    return common.machine_info() | {
         "pyzmq": zmq.__version__,
         "libzmq": zmq.zmq_version(),
         "torch_threads": torch.get_num_threads(),
-        "load_average_at_start": os.getloadavg(),
+        "loadavg_start": common.loadavg(),
     }
 
 
 def markdown(report: dict) -> str:
     m, cfg = report["machine"], report["config"]
     lines = [
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, shared with other "
-        f"work (load average {m['load_average_at_start'][0]:.1f} at the start); Python "
+        f"Machine: {m['cpu']}, {m['nproc']} cores, {m['memory_gib']} GiB, shared with other "
+        f"work (load average {m['loadavg_start'][0]:.1f} at the start); Python "
         f"{m['python']}, torch {m['torch']} ({m['torch_threads']} threads), pyzmq "
         f"{m['pyzmq']} / libzmq {m['libzmq']}. Loopback TCP, learner and subscribers on "
         f"the same cores.",
@@ -544,7 +531,7 @@ def main() -> None:
     parser.add_argument("--publishes", type=int, default=4, help="stall publishes per model")
     parser.add_argument("--chunk-mib", type=int, default=DEFAULT_CHUNK_BYTES >> 20)
     parser.add_argument("--overlap-max-params", type=float, default=200e6)
-    parser.add_argument("--json", default=None, help="results file (default under benchmarks/)")
+    parser.add_argument("--json", default=None, help="results file (default docs/benchmarks/)")
     parser.add_argument("--no-docs", action="store_true", help="do not touch docs/benchmarks.md")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads of the learner (1: see docs)"
@@ -557,7 +544,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.quick:
         args.sizes, args.steps, args.publishes = "10M", 1, 2
-    results_dir = Path(tempfile.gettempdir()) if args.quick else ROOT / "benchmarks" / "results"
+    results_dir = Path(tempfile.gettempdir()) if args.quick else ROOT / "docs" / "benchmarks"
     json_path = Path(args.json) if args.json else results_dir / "weights_publish.json"
     began = time.perf_counter()
     report = {
