@@ -343,7 +343,12 @@ def _to_reward(value: Any) -> float:
 
 def _score_one(function: RewardFunction | None, job: tuple) -> tuple[float, str | None, str]:
     """Run one job in the worker: ``(reward, error tag or None, detail)``."""
-    data_source, solution_str, ground_truth, extra_info = job
+    data_source, solution_str, ground_truth, extra_info, *named = job
+    if named and named[0]:  # the job's own function (an environment's); imported once
+        try:
+            function = load_reward_function(named[0])
+        except Exception as error:
+            return 0.0, ERROR_EXCEPTION, str(error)[:500]
     if function is None:
         function = REWARD_FUNCTIONS.get(data_source)
         if function is None:
@@ -458,15 +463,24 @@ class RewardScorer:
     # -- the caller's side
 
     def submit(
-        self, data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None
+        self,
+        data_source: str,
+        solution_str: str,
+        ground_truth: str,
+        extra_info: Any = None,
+        function: str | None = None,
     ) -> Future:
-        """Queue one sample; the returned future gives its :class:`Score`."""
+        """Queue one sample; the returned future gives its :class:`Score`.
+
+        ``function`` (``module:function`` or ``file.py:function``) scores this
+        sample instead of the scorer's own (a multi-turn environment's reward)."""
         if self._closed:
             raise RuntimeError("the reward scorer is closed")
         if self._failed:
             raise RuntimeError(f"reward workers cannot start: {self._failed}")
         future: Future = Future()
-        job = _Job(next(self._ids), (data_source, solution_str, ground_truth, extra_info), future)
+        args = (data_source, solution_str, ground_truth, extra_info, function)
+        job = _Job(next(self._ids), args, future)
         with self._lock:
             self._queue.append(job)
             if self._thread is None:
