@@ -2,12 +2,13 @@
 
 See ``docs/environments.md``. The pieces, one job each:
 
-- :mod:`.base`: the :class:`Environment` API and :class:`StepResult`;
+- :mod:`.base`: the :class:`Environment` API, :class:`StepResult`, :class:`ScoreRequest`;
 - :mod:`.tool_calls`: parsing ``<tool_call>`` JSON out of a model turn;
 - :mod:`.tools`, :mod:`.calculator`, :mod:`.sandbox`: tools and their limits;
 - :mod:`.tool_env`: the built-in :class:`ToolEnvironment`;
 - :mod:`.formatting`: turn formatters and the text/token codec;
 - :mod:`.rollout`: the driver that builds the one token sequence;
+- :mod:`.threads`: the threads environments run on, which a stuck call may leave;
 - :mod:`.loading`, :mod:`.config`: plug-ins by name, the config section.
 """
 
@@ -15,12 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncrl.envs.base import Environment, Message, StepResult
+from asyncrl.envs.base import Environment, Message, ScoreRequest, StepResult
 from asyncrl.envs.config import EnvironmentConfig, environment_factory
 from asyncrl.envs.formatting import ChatMLFormatter, Codec, PlainTextFormatter, TurnFormatter
 from asyncrl.envs.loading import PluginError, load_object
 from asyncrl.envs.rollout import EpisodeRunner, Trajectory, TurnRequest, run_episode
 from asyncrl.envs.sandbox import Sandbox, SandboxResult
+from asyncrl.envs.threads import StepPool
 from asyncrl.envs.tool_calls import (
     HermesToolCallParser,
     ParsedTurn,
@@ -77,6 +79,8 @@ __all__ = [
     "PluginError",
     "Sandbox",
     "SandboxResult",
+    "ScoreRequest",
+    "StepPool",
     "StepResult",
     "Tool",
     "ToolCall",

@@ -5,7 +5,8 @@ episode)::
 
     messages = env.reset(row)        # the chat messages that make the prompt
     result = env.step(model_text)    # after each model turn
-    # result.done: the episode is over and result.reward scores it;
+    # result.done: the episode is over and result.reward scores it (plus the
+    # score of result.score_request, when there is one);
     # otherwise result.messages (role "tool" or "user") go back to the model.
 
 ``row`` is one dataset row in the verl layout (``prompt`` as chat messages,
@@ -27,6 +28,38 @@ Message = dict[str, Any]
 (tool messages may carry ``"name"``)."""
 
 
+@dataclass(frozen=True)
+class ScoreRequest:
+    """An episode's final answer, for a reward function named by ``module:function``
+    (or ``path/to/file.py:function``) to score.
+
+    An environment that returns one (``StepResult(done=True, score_request=...)``)
+    instead of calling the function itself lets the driver decide where it runs:
+    in a generator replica, the replica's reward workers score it in their own
+    processes with ``reward.timeout_s`` (:class:`asyncrl.rewards.RewardScorer`), so
+    a reward function that hangs or crashes costs one sample, never an environment
+    thread; :func:`asyncrl.envs.rollout.run_episode` calls it in place.
+    """
+
+    function: str
+    """``module:function`` or ``path/to/file.py:function``, with verl's signature
+    ``(data_source, solution_str, ground_truth, extra_info) -> float | {"score": ...}``."""
+    solution_str: str
+    data_source: str = ""
+    ground_truth: Any = None
+    extra_info: Any = None
+
+    def score_here(self) -> float:
+        """Call the function in this thread (drivers without reward workers)."""
+        from asyncrl.rewards import load_reward_function
+
+        function = load_reward_function(self.function)
+        value = function(self.data_source, self.solution_str, self.ground_truth, self.extra_info)
+        if isinstance(value, Mapping):  # verl lets a scorer return {"score": ..., ...}
+            value = value["score"]
+        return float(value)
+
+
 @dataclass
 class StepResult:
     messages: list[Message] = field(default_factory=list)
@@ -40,6 +73,9 @@ class StepResult:
     """Of those, how many could not be carried out (bad call, unknown tool, bad
     arguments, a tool that raised)."""
     info: dict[str, Any] = field(default_factory=dict)
+    score_request: ScoreRequest | None = None
+    """With ``done``: the final answer, scored by a named reward function; its score
+    is added to ``reward``. Ignored when the episode goes on."""
 
 
 class Environment(ABC):

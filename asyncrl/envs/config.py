@@ -35,6 +35,10 @@ class EnvironmentConfig(BaseModel):
     or `plain` (`role: text` lines, for the tiny built-in tokenizer)."""
     workers: int = Field(4, ge=1)
     """Threads per generator that step environments (run tools), off the generation loop."""
+    step_timeout_s: float = Field(60, gt=0)
+    """Wall-clock limit of one `reset` or `step` call (tools included): past it the
+    episode ends with reward 0, tagged `error:environment_timeout`, and its thread
+    is abandoned (a new one takes its place)."""
     kwargs: dict[str, Any] = {}
     """Extra keyword arguments for the environment's constructor (for `tools`:
     `compute_score`, `parser`, `system_prompt`, `max_calls_per_turn`, ...)."""
@@ -47,9 +51,15 @@ class EnvironmentConfig(BaseModel):
         return value
 
 
-def environment_factory(config: EnvironmentConfig) -> Callable[[], Environment]:
+def environment_factory(
+    config: EnvironmentConfig, *, defer_score: bool = False
+) -> Callable[[], Environment]:
     """A function making a fresh environment per episode; resolves the plug-in now,
-    so a bad name fails at start-up, not at the first episode."""
+    so a bad name fails at start-up, not at the first episode.
+
+    ``defer_score``: the built-in `tools` environment ends an episode with a
+    :class:`~asyncrl.envs.base.ScoreRequest` when its reward function has a name,
+    for the caller's reward workers to score (the generator replica asks for this)."""
     from asyncrl.envs import load_environment
 
     if config.name == "tools":
@@ -59,6 +69,7 @@ def environment_factory(config: EnvironmentConfig) -> Callable[[], Environment]:
             "python_timeout_s": config.python_timeout_s,
             "python_memory_mb": config.python_memory_mb,
             **config.kwargs,
+            "defer_score": defer_score,
         }
     else:
         kwargs = dict(config.kwargs)

@@ -26,6 +26,12 @@ most ``max_tokens_per_turn``); a turn cut off there, or an environment reply
 that would leave no room for another model token, ends the episode with
 finish reason ``"length"``. The finish reason is ``"stop"`` when the
 environment ended the episode, ``"max_turns"`` when the turns ran out.
+
+An episode that ends with a :class:`~asyncrl.envs.base.ScoreRequest` is
+scored in place (the named function is called in the thread that called
+``submit``), unless the runner is made with ``defer_scoring=True``: then the
+request waits in ``score_request`` for the caller to score it (the generator
+replica's reward workers) and add the score to ``reward``.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.envs.base import Environment
+from asyncrl.envs.base import Environment, ScoreRequest
 from asyncrl.envs.formatting import ChatMLFormatter, Codec, TurnFormatter
 
 ENV_VERSION = -1
@@ -103,6 +109,7 @@ class EpisodeRunner:
         max_total_tokens: int = 2048,
         max_tokens_per_turn: int | None = None,
         stop: Sequence[str] = (),
+        defer_scoring: bool = False,
     ):
         if max_turns < 1 or max_total_tokens < 1:
             raise ValueError("max_turns and max_total_tokens must be at least 1")
@@ -127,6 +134,9 @@ class EpisodeRunner:
         self.tool_calls = 0
         self.tool_errors = 0
         self.finish_reason: str | None = None
+        self.defer_scoring = defer_scoring
+        self.score_request: ScoreRequest | None = None
+        """With ``defer_scoring``: the final answer still to be scored (not in ``reward``)."""
         if self._budget() <= 0:
             self._finish("length")
 
@@ -200,6 +210,11 @@ class EpisodeRunner:
         self.tool_calls += result.tool_calls
         self.tool_errors += result.tool_errors
         if result.done:
+            request = getattr(result, "score_request", None)
+            if request is not None and self.defer_scoring:
+                self.score_request = request
+            elif request is not None:
+                self.reward += request.score_here()
             self._finish("stop")
             return
         if self.num_turns >= self.max_turns:

@@ -12,6 +12,13 @@
   tool call is the final answer: the episode ends, scored by
   ``compute_score(data_source, solution_str, ground_truth, extra_info)``
   (verl's signature; ``solution_str`` is that last turn's text).
+
+With ``defer_score=True`` (what the generator replica asks for) a reward
+function that has a name (the default, or ``compute_score="module:function"``)
+is not called in ``step``: the final :class:`StepResult` carries a
+:class:`ScoreRequest` and the replica's reward workers score it in their own
+processes, with ``reward.timeout_s``. A Python callable has no name another
+process could load, so it is always called in ``step``.
 """
 
 from __future__ import annotations
@@ -21,13 +28,22 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from asyncrl.envs.base import Environment, Message, StepResult, ground_truth, prompt_messages
+from asyncrl.envs.base import (
+    Environment,
+    Message,
+    ScoreRequest,
+    StepResult,
+    ground_truth,
+    prompt_messages,
+)
 from asyncrl.envs.tool_calls import ToolCall, ToolCallError, ToolCallParser, make_parser
 from asyncrl.envs.tools import Tool, ToolError, build_tools
 
 ComputeScore = Callable[[str, str, Any, Any], "float | Mapping[str, Any]"]
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+DEFAULT_SCORE = "asyncrl.envs.tool_env:default_score"
+"""The name of :func:`default_score`, for reward workers to load."""
 TOOLS_PROMPT = """# Tools
 
 You may call one or more functions to assist with the user query.
@@ -99,13 +115,24 @@ class ToolEnvironment(Environment):
         max_tool_output_chars: int = 4000,
         python_timeout_s: float = 5.0,
         python_memory_mb: int = 512,
+        defer_score: bool = False,
     ):
         """``max_turns``, when given, lets the environment skip running tools on the
-        last turn the driver allows (their output could not be shown)."""
+        last turn the driver allows (their output could not be shown).
+        ``defer_score``: answer the final turn with a :class:`ScoreRequest` when the
+        reward function has a name (see the module doc)."""
         self.tools = build_tools(
             tools, python_timeout_s=python_timeout_s, python_memory_mb=python_memory_mb
         )
         self.compute_score = _resolve_score(compute_score)
+        self.score_function: str | None = None
+        """``compute_score``'s ``module:function`` name; None for a Python callable
+        (or a dotted ``module:Class.method``, which reward workers cannot load)."""
+        if compute_score is None:
+            self.score_function = DEFAULT_SCORE
+        elif isinstance(compute_score, str) and "." not in compute_score.rpartition(":")[2]:
+            self.score_function = compute_score
+        self.defer_score = defer_score
         self.parser = make_parser(parser)
         self.system_prompt = system_prompt
         self.max_turns = max_turns
@@ -132,6 +159,19 @@ class ToolEnvironment(Environment):
             messages[0]["content"] = self.system_message(messages[0]["content"])
             return messages
         return [{"role": "system", "content": self.system_message()}, *messages]
+
+    def score_request(self, solution_str: str) -> ScoreRequest:
+        """The final answer, for the named reward function to score elsewhere."""
+        if self.score_function is None:
+            raise ValueError("compute_score is a Python callable: it has no name to send")
+        row = self._row
+        return ScoreRequest(
+            self.score_function,
+            solution_str,
+            row.get("data_source", ""),
+            ground_truth(row),
+            row.get("extra_info"),
+        )
 
     def score(self, solution_str: str) -> float:
         row = self._row
@@ -162,6 +202,8 @@ class ToolEnvironment(Environment):
         self._turns += 1
         parsed = self.parser.parse(response)
         if not parsed.calls:
+            if self.defer_score and self.score_function is not None:
+                return StepResult(done=True, score_request=self.score_request(response))
             return StepResult(done=True, reward=self.score(response))
         if self.max_turns is not None and self._turns >= self.max_turns:
             # The driver stops here; running the tools would be wasted work.

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import operator
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,8 @@ from asyncrl.envs import (
     EpisodeRunner,
     PlainTextFormatter,
     PluginError,
+    ScoreRequest,
+    StepPool,
     StepResult,
     Tool,
     ToolEnvironment,
@@ -435,3 +440,90 @@ def test_environment_config_and_factory():
     assert custom().high == 10
     with pytest.raises(PluginError):
         environment_factory(EnvironmentConfig(name="no_such_module_xyz:Env"))
+
+
+def test_a_named_reward_function_can_be_left_to_the_driver():
+    """``defer_score``: the final answer comes back as a ScoreRequest (the replica's
+    reward workers score it); a Python callable has no name, so it is still called."""
+    env = ToolEnvironment([], defer_score=True)
+    env.reset(ROW)
+    result = env.step("the answer: 42")
+    assert result.done and result.reward == 0.0
+    assert result.score_request == ScoreRequest(
+        "asyncrl.envs.tool_env:default_score", "the answer: 42", "test/arith", "42", {"index": 3}
+    )
+    assert result.score_request.score_here() == 0.0  # default_score: the whole text != 42
+    named = ToolEnvironment([], compute_score="asyncrl.rewards:gsm8k_score", defer_score=True)
+    named.reset(ROW)
+    assert named.step("#### 42").score_request.function == "asyncrl.rewards:gsm8k_score"
+    called = ToolEnvironment([], compute_score=lambda *args: 0.5, defer_score=True)
+    called.reset(ROW)
+    assert called.step("42").reward == 0.5 and called.step("42").score_request is None
+    make = environment_factory(EnvironmentConfig(name="tools"), defer_score=True)
+    assert (
+        make().defer_score
+        and not environment_factory(EnvironmentConfig(name="tools"))().defer_score
+    )
+
+
+class AnswerScoredElsewhere(Echo):
+    def step(self, response):
+        request = ScoreRequest("asyncrl.rewards:gsm8k_score", response, "gsm8k", "42")
+        return StepResult(done=True, reward=0.5, score_request=request)
+
+
+def test_a_score_request_is_scored_in_place_or_left_for_the_caller():
+    trajectory, _ = episode(["so #### 42"], env=AnswerScoredElsewhere())
+    assert trajectory.reward == 1.5  # the step's own reward plus the function's score
+    runner = EpisodeRunner(AnswerScoredElsewhere(), ROW, CHARS, PLAIN, defer_scoring=True)
+    ids = CHARS.encode("#### 42<end>")
+    runner.submit(ids, [0.0] * len(ids), [0] * len(ids))
+    assert runner.done and runner.reward == 0.5
+    assert runner.score_request.solution_str == "#### 42"
+
+
+def test_step_pool_replaces_abandoned_threads_up_to_a_limit():
+    pool = StepPool(1, max_stuck=1, name="test-steps")
+    first, second = threading.Event(), threading.Event()
+    try:
+        stuck = pool.submit(first.wait, 30)
+        wait_until(lambda: stuck.started_at is not None)
+        assert pool.abandon(stuck) and (pool.stuck, pool.abandoned) == (1, 1)
+        # the only worker is stuck, but a new thread runs the next call
+        assert pool.submit(pow, 2, 5).future.result(timeout=30) == 32
+        again = pool.submit(second.wait, 30)
+        wait_until(lambda: again.started_at is not None)
+        assert pool.abandon(again) and pool.stuck == 2 and pool.stalled
+        queued = pool.submit(pow, 2, 6)  # no thread may start: it waits until abandoned
+        time.sleep(0.05)
+        assert queued.started_at is None and pool.abandon(queued) and queued.future.cancelled()
+        first.set()  # a stuck call returns: its thread ends, and one may start again
+        wait_until(lambda: not pool.stalled)
+        assert pool.submit(pow, 2, 7).future.result(timeout=30) == 128
+        done = pool.submit(pow, 2, 1)
+        done.future.result(timeout=30)
+        assert not pool.abandon(done)  # finished already: nothing to give up
+        failed = pool.submit(operator.truediv, 1, 0)
+        assert isinstance(failed.future.exception(timeout=30), ZeroDivisionError)
+        assert all(t.daemon for t in threading.enumerate() if t.name.startswith("test-steps"))
+    finally:
+        second.set()
+        pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.submit(pow, 2, 2)
+    wait_until(lambda: not any(t.name.startswith("test-steps") for t in threading.enumerate()))
+
+
+def wait_until(condition, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.005)
+
+
+def test_step_timeout_is_validated():
+    assert EnvironmentConfig(name="tools").step_timeout_s == 60
+    assert EnvironmentConfig(name="tools", step_timeout_s=0.5).step_timeout_s == 0.5
+    for bad in (0, -1, "soon"):
+        with pytest.raises(ValueError, match="step_timeout_s"):
+            EnvironmentConfig(name="tools", step_timeout_s=bad)
