@@ -3,9 +3,10 @@ turns, the environment answers them, and the rollout grows as one token sequence
 
 ::
 
-    rollout ─generate_chunk─▶ ... the turn ends (EOS, end-of-turn marker, limit)
-       ▲                                  │ the environment steps, on a thread
-       └── reply tokens appended ◀────────┘ (or the episode is over: a finished sample)
+    start ─▶ environment made and reset, on a thread ─▶ prompt
+       rollout ─generate_chunk─▶ ... the turn ends (EOS, end-of-turn marker, limit)
+          ▲                                  │ the environment steps, on a thread
+          └── reply tokens appended ◀────────┘ (or the episode is over: scored, a sample)
 
 Each sample of a group is its own episode with a fresh environment
 (:func:`asyncrl.envs.config.environment_factory`), driven by an
@@ -16,50 +17,106 @@ The rollout mirrors the runner's sequence, so partial rollouts work across
 turns exactly as within one: a weight update between chunks changes the
 version of later tokens and nothing else.
 
-Environments step on a thread pool, so a slow tool call holds back only its
-own episode, never the replica's other rollouts. An environment that raises
-ends its episode with reward 0 and the error tag ``error:environment``.
+The environment's code runs on threads (:class:`~asyncrl.envs.threads.StepPool`,
+``environment.workers``), never on the replica's loop, so a slow tool call
+holds back only its own episode. ``start`` hands back a rollout that is not the
+backend's yet (``finish_reason`` ``"starting"``) while the environment is made
+and reset; ``collect`` hands it out when its prompt is ready. What can go wrong
+costs one episode, scored 0 with an error tag and counted in ``stats``:
+
+- an environment that raises: ``error:environment`` (``env_errors``);
+- a ``reset`` or ``step`` still running after ``environment.step_timeout_s``:
+  ``error:environment_timeout`` (``env_timeouts``). The deadline is checked
+  here, from the replica's loop; the stuck thread cannot be killed, so it is
+  abandoned (``steps_abandoned``, ``stuck_threads``) and another takes its place;
+- a prompt (the environment's ``reset`` messages, rendered) longer than
+  ``data.max_prompt_tokens``: ``error:prompt_too_long`` (``prompt_too_long``),
+  before any turn is generated.
+
+An episode that ends with a :class:`~asyncrl.envs.base.ScoreRequest` (the
+tool environment's final answer, when its reward function has a name) is
+scored by the replica's :class:`~asyncrl.rewards.RewardScorer`, in its worker
+processes with ``reward.timeout_s``, like a single-turn sample; its reward is
+what the environment gave on the way plus that score, and a reward function
+that fails or hangs scores the episode 0 with the scorer's error tag.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
+from asyncrl.envs.base import ScoreRequest
 from asyncrl.envs.config import EnvironmentConfig, environment_factory
 from asyncrl.envs.formatting import FORMATTERS, Codec
 from asyncrl.envs.rollout import ENV_VERSION, EpisodeRunner
+from asyncrl.envs.threads import Job, StepPool
 from asyncrl.generators.backend import Rollout
 from asyncrl.messages import WorkItem
-from asyncrl.rewards import Score
+from asyncrl.rewards import RewardScorer, Score
 
 log = logging.getLogger("asyncrl.episodes")
 
 ERROR_ENVIRONMENT = "error:environment"
+ERROR_ENVIRONMENT_TIMEOUT = "error:environment_timeout"
+ERROR_PROMPT_TOO_LONG = "error:prompt_too_long"
+ERROR_SCORER = "error:scorer"
+_EPISODE_ERRORS = (ERROR_ENVIRONMENT, ERROR_ENVIRONMENT_TIMEOUT, ERROR_PROMPT_TOO_LONG)
+"""Errors that end an episode early (counted ``finish_error``); a reward error does not."""
+STARTING = "starting"
+"""``finish_reason`` of a rollout whose environment is still being reset: not the backend's."""
+MAX_STUCK_THREADS = 64
+"""Abandoned environment threads replaced by new ones; past it, steps that cannot start fail."""
+_LOGGED_PER_TAG = 5
 
 
-@dataclass
-class _Turn:
-    runner: EpisodeRunner
-    turn_start: int
+@dataclass(eq=False)
+class _Episode:
+    rollout: Rollout
+    runner: EpisodeRunner | None = None
+    """None until the environment has been made and reset."""
+    job: Job | None = None
+    """The reset or step running on the pool."""
+    scored: Future | None = None
+    """The reward workers' :class:`Score` of the final answer."""
+    turn_start: int = 0
     """Index in the rollout's response where the model's current turn began."""
 
 
 class Episodes:
-    """The replica's episodes in flight: started, waiting on the model, or stepping."""
+    """The replica's episodes in flight: starting, waiting on the model, stepping or scored."""
 
-    def __init__(self, config: EnvironmentConfig, tokenizer, max_tokens_per_turn: int):
+    def __init__(
+        self,
+        config: EnvironmentConfig,
+        tokenizer,
+        max_tokens_per_turn: int,
+        *,
+        scorer: RewardScorer | None = None,
+        max_prompt_tokens: int | None = None,
+    ):
+        """``scorer``: the replica's reward workers, for episodes that end with a
+        ``ScoreRequest`` (without one, named reward functions run on the environment's
+        thread). ``max_prompt_tokens``: ``data.max_prompt_tokens``, the longest prompt
+        an episode may start from."""
         self.config = config
-        self.make_environment = environment_factory(config)
+        self.scorer = scorer
+        self.max_prompt_tokens = max_prompt_tokens
+        self.make_environment = environment_factory(config, defer_score=scorer is not None)
         self.codec = Codec.from_hf(tokenizer)
         self.formatter = FORMATTERS[config.formatter]()
         self.max_tokens_per_turn = max_tokens_per_turn
-        self.turns: dict[int, _Turn] = {}  # id(rollout) -> its episode
-        self.stepping: list[tuple[Rollout, Future]] = []
-        self.pool = ThreadPoolExecutor(config.workers, thread_name_prefix="environment")
+        self.running: dict[int, _Episode] = {}  # id(rollout) -> its episode
+        self.stepping: list[_Episode] = []
+        self.scoring: list[_Episode] = []
+        self.pool = StepPool(config.workers, max_stuck=MAX_STUCK_THREADS, name="environment")
         self.stats: Counter[str] = Counter()
+        self._stall_logged = False
+        self._logged: dict[str, int] = {}
 
     @property
     def end_of_turn(self) -> str:
@@ -67,16 +124,35 @@ class Episodes:
         return self.formatter.end_of_turn
 
     def start(self, item: WorkItem, sample_index: int, now: float) -> Rollout:
-        """A rollout for a new episode of ``item``: its prompt is the environment's.
+        """A rollout for a new episode of ``item``, its environment made and reset on a thread.
 
-        Give it to the backend unless ``waiting`` took it (an episode over at once)."""
+        The rollout is ``finished`` (reason ``"starting"``) until ``collect`` hands
+        it out with the environment's prompt: do not give it to the backend before."""
         row = {
             "prompt": item.messages,
             "data_source": item.data_source,
             "reward_model": {"ground_truth": item.ground_truth},
             "extra_info": item.extra_info,
         }
-        runner = EpisodeRunner(
+        rollout = Rollout(  # the row's prompt as the data loader rendered it, until reset
+            item.group_id,
+            sample_index,
+            list(item.prompt_ids),
+            item.ground_truth,
+            item.data_source,
+            finish_reason=STARTING,
+            started_at=now,
+        )
+        episode = _Episode(rollout)
+        self.running[id(rollout)] = episode
+        self.stats["episodes"] += 1
+        episode.job = self.pool.submit(self._open, row)
+        self.stepping.append(episode)
+        return rollout
+
+    def _open(self, row: dict[str, Any]) -> EpisodeRunner:
+        """On a pool thread: a fresh environment, reset from ``row``."""
+        return EpisodeRunner(
             self.make_environment(),
             row,
             self.codec,
@@ -84,82 +160,176 @@ class Episodes:
             max_turns=self.config.max_turns,
             max_total_tokens=self.config.max_total_tokens,
             max_tokens_per_turn=self.max_tokens_per_turn,
+            defer_scoring=self.scorer is not None,
         )
-        rollout = Rollout(
-            item.group_id,
-            sample_index,
-            runner.token_ids,
-            item.ground_truth,
-            item.data_source,
-            started_at=now,
-        )
-        self.turns[id(rollout)] = _Turn(runner, 0)
-        self.stats["episodes"] += 1
-        if runner.done:  # the prompt alone fills max_total_tokens: over before it starts
-            over: Future = Future()
-            over.set_result(None)
-            self.stepping.append((rollout, over))
-        else:
-            rollout.max_new_tokens = runner.request().max_new_tokens
-        return rollout
 
     def owns(self, rollout: Rollout) -> bool:
-        return id(rollout) in self.turns
+        return id(rollout) in self.running
 
     @property
     def waiting(self) -> int:
-        """Episodes whose environment is stepping (they hold a slot, not the backend)."""
-        return len(self.stepping)
+        """Episodes starting, stepping or being scored (they hold a slot, not the backend)."""
+        return len(self.stepping) + len(self.scoring)
 
     def end_turn(self, rollout: Rollout) -> None:
-        """The backend ended ``rollout``'s turn: step its environment in the pool."""
-        turn = self.turns[id(rollout)]
-        start = turn.turn_start
-        self.stepping.append(
-            (
-                rollout,
-                self.pool.submit(
-                    turn.runner.submit,
-                    rollout.response_ids[start:],
-                    rollout.logprobs[start:],
-                    rollout.token_versions[start:],
-                    rollout.finish_reason,
-                ),
-            )
+        """The backend ended ``rollout``'s turn: step its environment on the pool.
+
+        A rollout still starting is left alone (``collect`` hands it out)."""
+        if rollout.finish_reason == STARTING:
+            return
+        episode = self.running[id(rollout)]
+        assert episode.runner is not None and episode.job is None, "not the model's turn"
+        start = episode.turn_start
+        episode.job = self.pool.submit(
+            episode.runner.submit,
+            rollout.response_ids[start:],
+            rollout.logprobs[start:],
+            rollout.token_versions[start:],
+            rollout.finish_reason,
         )
+        self.stepping.append(episode)
 
     def collect(self) -> tuple[list[Rollout], list[tuple[Rollout, Score]]]:
         """Episodes whose environment has answered: ``(continuing, finished with scores)``.
 
-        A continuing rollout has the environment's reply appended and is ready
-        for the backend again; a finished one carries the episode's reward."""
+        A continuing rollout has the environment's reply (or, new, its prompt)
+        and is ready for the backend again; a finished one carries the episode's
+        reward. Steps past ``environment.step_timeout_s`` end their episodes here."""
         continuing: list[Rollout] = []
         finished: list[tuple[Rollout, Score]] = []
-        still = []
-        for rollout, future in self.stepping:
-            if not future.done():
-                still.append((rollout, future))
+        now = time.monotonic()
+        stalled = self.pool.stalled
+        stepping, self.stepping = self.stepping, []
+        for episode in stepping:
+            job = episode.job
+            assert job is not None
+            if not job.done:
+                overdue = job.started_at is not None and (
+                    now - job.started_at > self.config.step_timeout_s
+                )
+                if (overdue or (job.started_at is None and stalled)) and self.pool.abandon(job):
+                    self._time_out(episode, job, finished)
+                    continue
+                if not job.done:
+                    self.stepping.append(episode)
+                    continue
+            episode.job = None
+            self._answered(episode, job, continuing, finished)
+        scoring, self.scoring = self.scoring, []
+        for episode in scoring:
+            assert episode.scored is not None
+            if not episode.scored.done():
+                self.scoring.append(episode)
                 continue
-            turn = self.turns[id(rollout)]
-            error = future.exception()
-            if error is not None:
-                log.warning("environment failed, episode scored 0: %r", error)
-                self.stats["env_errors"] += 1
-                rollout.finish_reason = rollout.finish_reason or "stop"
-                finished.append((rollout, self._close(rollout, Score(0.0, ERROR_ENVIRONMENT))))
-                continue
-            runner = turn.runner
-            if runner.done:
-                rollout.finish_reason = "stop" if runner.finish_reason == "stop" else "length"
-                finished.append((rollout, self._close(rollout, Score(runner.reward, None))))
-                continue
-            self._append_reply(rollout, runner)
-            turn.turn_start = len(rollout.response_ids)
-            rollout.max_new_tokens = len(rollout.response_ids) + runner.request().max_new_tokens
-            rollout.finish_reason = None
-            continuing.append(rollout)
-        self.stepping = still
+            finished.append(self._scored(episode))
+        self.stats["stuck_threads"] = self.pool.stuck
         return continuing, finished
+
+    def _answered(
+        self,
+        episode: _Episode,
+        job: Job,
+        continuing: list[Rollout],
+        finished: list[tuple[Rollout, Score]],
+    ) -> None:
+        """The environment's reset or step returned (or raised)."""
+        rollout = episode.rollout
+        error = job.future.exception()
+        if error is not None:
+            self.stats["env_errors"] += 1
+            what = "step" if episode.runner is not None else "reset"
+            self._warn(
+                ERROR_ENVIRONMENT, "environment %s failed, episode scored 0: %r", what, error
+            )
+            detail = f"{type(error).__name__}: {error}"[:500]
+            finished.append(self._close(episode, Score(0.0, ERROR_ENVIRONMENT, detail)))
+            return
+        if episode.runner is None:  # reset: the episode's prompt is known
+            runner: EpisodeRunner = job.future.result()
+            episode.runner = runner
+            limit = self.max_prompt_tokens
+            if limit is not None and runner.prompt_len > limit:
+                self.stats["prompt_too_long"] += 1
+                self._warn(
+                    ERROR_PROMPT_TOO_LONG,
+                    "the episode's prompt (the environment's reset messages, tool listing "
+                    "included, rendered by the %s formatter) has %d tokens, more than "
+                    "data.max_prompt_tokens=%d: the episode ends before its first turn, "
+                    "scored 0. Raise data.max_prompt_tokens or shorten the prompt",
+                    self.config.formatter,
+                    runner.prompt_len,
+                    limit,
+                )
+                detail = f"{runner.prompt_len} prompt tokens > data.max_prompt_tokens={limit}"
+                rollout.finish_reason = "length"
+                finished.append(self._close(episode, Score(0.0, ERROR_PROMPT_TOO_LONG, detail)))
+                return
+            rollout.prompt_ids = runner.token_ids
+        runner = episode.runner
+        if runner.done:
+            rollout.finish_reason = "stop" if runner.finish_reason == "stop" else "length"
+            if runner.score_request is not None:
+                self._submit_score(episode, runner.score_request, finished)
+                return
+            finished.append(self._close(episode, Score(runner.reward, None)))
+            return
+        self._append_reply(rollout, runner)
+        episode.turn_start = len(rollout.response_ids)
+        rollout.max_new_tokens = len(rollout.response_ids) + runner.request().max_new_tokens
+        rollout.finish_reason = None
+        continuing.append(rollout)
+
+    def _time_out(self, episode: _Episode, job: Job, finished: list) -> None:
+        """Give up on the episode's reset or step; its thread, if it has one, is abandoned."""
+        self.stats["env_timeouts"] += 1
+        what = "step" if episode.runner is not None else "reset"
+        if job.started_at is None:
+            detail = (
+                f"the {what} could not start: {self.pool.stuck} environment threads are stuck "
+                f"past environment.step_timeout_s={self.config.step_timeout_s:g}"
+            )
+        else:
+            self.stats["steps_abandoned"] += 1
+            detail = (
+                f"the {what} ran past environment.step_timeout_s="
+                f"{self.config.step_timeout_s:g}; its thread was abandoned"
+            )
+        self._warn(ERROR_ENVIRONMENT_TIMEOUT, "episode scored 0: %s", detail)
+        if self.pool.stalled and not self._stall_logged:
+            self._stall_logged = True
+            log.error(
+                "%d environment threads are stuck (environment.step_timeout_s=%g); no more "
+                "are started, so episodes fail until some return. Fix the environment, or "
+                "restart this generator to free them",
+                self.pool.stuck,
+                self.config.step_timeout_s,
+            )
+        finished.append(self._close(episode, Score(0.0, ERROR_ENVIRONMENT_TIMEOUT, detail)))
+
+    def _submit_score(self, episode: _Episode, request: ScoreRequest, finished: list) -> None:
+        """Send the final answer to the replica's reward workers."""
+        assert self.scorer is not None
+        self.stats["rewards_requested"] += 1
+        try:
+            episode.scored = self.scorer.submit(
+                request.data_source,
+                request.solution_str,
+                request.ground_truth,
+                request.extra_info,
+                function=request.function,
+            )
+        except RuntimeError as error:  # the scorer is closed or its workers cannot start
+            finished.append(self._close(episode, Score(0.0, ERROR_SCORER, str(error))))
+            return
+        self.scoring.append(episode)
+
+    def _scored(self, episode: _Episode) -> tuple[Rollout, Score]:
+        """The episode's reward: the environment's, plus the reward function's score."""
+        assert episode.scored is not None and episode.runner is not None
+        score: Score = episode.scored.result()
+        if score.error is None:
+            score = Score(episode.runner.reward + score.reward, None)
+        return self._close(episode, score)  # a failed score is 0, as for one turn
 
     def _append_reply(self, rollout: Rollout, runner: EpisodeRunner) -> None:
         sequence = runner.token_ids
@@ -169,13 +339,31 @@ class Episodes:
         rollout.token_versions += [ENV_VERSION] * len(reply)
         rollout.loss_mask += [0] * len(reply)
 
-    def _close(self, rollout: Rollout, score: Score) -> Score:
-        runner = self.turns.pop(id(rollout)).runner
-        self.stats["turns"] += runner.num_turns
-        self.stats["tool_calls"] += runner.tool_calls
-        self.stats["tool_errors"] += runner.tool_errors
-        self.stats[f"finish_{runner.finish_reason or 'error'}"] += 1
-        return score
+    def _close(self, episode: _Episode, score: Score) -> tuple[Rollout, Score]:
+        """Forget the episode and count it; returns what goes to the buffer."""
+        rollout = episode.rollout
+        del self.running[id(rollout)]
+        if rollout.finish_reason in (None, STARTING):
+            rollout.finish_reason = "stop"
+        runner = episode.runner
+        finish = "error"
+        if runner is not None and runner.finish_reason and score.error not in _EPISODE_ERRORS:
+            finish = runner.finish_reason
+        if runner is not None:  # (an abandoned thread may still be changing it)
+            self.stats["turns"] += runner.num_turns
+            self.stats["tool_calls"] += runner.tool_calls
+            self.stats["tool_errors"] += runner.tool_errors
+        self.stats[f"finish_{finish}"] += 1
+        return rollout, score
+
+    def _warn(self, tag: str, message: str, *args: Any) -> None:
+        """Log the first few of each kind of failure; the rest are only counted."""
+        count = self._logged[tag] = self._logged.get(tag, 0) + 1
+        if count <= _LOGGED_PER_TAG:
+            log.warning(message, *args)
+            if count == _LOGGED_PER_TAG:
+                log.warning("further %s failures are counted, not logged", tag)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Cancel queued environment calls; running ones are not waited for."""
+        self.pool.close()

@@ -98,7 +98,11 @@ class GeneratorReplica:
         environment's, not the reward function's)."""
         if config.environment is not None:
             self.episodes = Episodes(
-                config.environment, backend.tokenizer, config.generators.max_new_tokens
+                config.environment,
+                backend.tokenizer,
+                config.generators.max_new_tokens,
+                scorer=self.scorer,
+                max_prompt_tokens=config.data.max_prompt_tokens,
             )
 
     def run_loop(self) -> None:
