@@ -53,10 +53,18 @@ class _Body(msgspec.Struct, tag_field="type", forbid_unknown_fields=True):
 
 
 class WorkRequest(_Body, tag="work_request"):
-    """A generator asks for prompts. ``WorkRequest("gen-0", max_samples=16)``."""
+    """A generator asks for prompts. ``WorkRequest("gen-0", max_samples=16)``.
+
+    With ``wait_s > 0`` (a replica with nothing else to do) the buffer may hold
+    the request for up to ``wait_s`` seconds when it has nothing to give, and
+    answers as soon as work is admitted: no poll interval between the learner's
+    step and the next prompts. The buffer caps it below its heartbeat timeout.
+    """
 
     generator_id: str
     max_samples: int
+    wait_s: float = 0.0
+    """How long the buffer may hold this request for work; 0 (the default): answer now."""
 
 
 class WorkItem(msgspec.Struct, forbid_unknown_fields=True):

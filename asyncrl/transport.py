@@ -53,8 +53,12 @@ class RequestClient:
         timeout_s: float | None = None,
     ):
         """Send ``body`` and return the decoded ``(reply, arrays)``; TimeoutError if none comes."""
-        self.socket.send_multipart(encode(body, arrays), copy=False)
+        self.send(body, arrays)
         return self.receive(timeout_s)
+
+    def send(self, body: _Body, arrays: dict[str, np.ndarray] | None = None) -> None:
+        """Send ``body`` only, for a caller that waits for the reply in slices (``receive``)."""
+        self.socket.send_multipart(encode(body, arrays), copy=False)
 
     def receive(self, timeout_s: float | None = None):
         timeout = self.timeout_s if timeout_s is None else timeout_s

@@ -13,6 +13,14 @@ a generator counts as its heartbeat, and each turn of the poll loop requeues
 the groups of generators silent for ``buffer.heartbeat_timeout_s``. A
 malformed or unknown message is answered with an ``ErrorReply``, counted
 under ``rejected_<reason>``, and the service goes on.
+
+A ``WorkRequest`` with ``wait_s > 0`` that finds nothing to hand out is held
+(one per generator id) rather than answered: after each turn of the loop in
+which dispatch could have changed its answer (a new policy version, freed
+admission budget, requeued groups, back-pressure lifted) the held requests
+are tried again in arrival order, and one still empty at its deadline is
+answered with an empty grant. So an idle replica gets work the moment the
+learner admits it, instead of after a ``RETRY_AFTER_S`` poll interval.
 """
 
 from __future__ import annotations
@@ -20,10 +28,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import signal
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +73,26 @@ RETRY_AFTER_S = 0.05
 """How long a generator refused by admission control or back-pressure waits to ask again."""
 POLL_MS = 100
 """Longest wait for a message before the loop checks for silent generators."""
+MAX_WAIT_FRACTION = 0.5
+"""A held WorkRequest waits at most this share of ``buffer.heartbeat_timeout_s`` (a
+longer ``wait_s`` is cut to it), so its replica is answered, and speaks again, long
+before it could be taken for silent."""
+STOP_LINGER_MS = 200
+"""How long closing the socket may take to send the last replies (held requests answered
+on stop) to peers still connected."""
+REFUSALS = ("dispatch_refused_admission", "dispatch_refused_backpressure")
+"""Store counters a held request adds to once, when it is first refused, not per retry."""
+
+
+@dataclass
+class HeldRequest:
+    """A WorkRequest waiting for work: whom to answer, what it asked for, until when."""
+
+    identity: bytes
+    generator_id: str
+    max_samples: int
+    deadline: float
+    """``time.monotonic()`` after which it is answered with an empty grant."""
 
 
 class BufferService:
@@ -87,6 +117,12 @@ class BufferService:
         self.generator_stats: dict[str, dict[str, float]] = {}
         """Each generator's latest counters (weight swaps, latency, reward errors)."""
         self.generator_pools: dict[str, str] = {}
+        self.held: dict[str, HeldRequest] = {}
+        """Work requests waiting for work, by generator id, oldest first."""
+        self.held_seen: tuple | None = None
+        """The store's dispatch state when the held requests were last tried."""
+        self.counters: Counter[str] = Counter()
+        """``work_requests_held`` (ever) and ``work_requests_held_granted`` (got items)."""
 
     async def serve_loop(self) -> None:
         """Serve until ``stopping`` is set, then close the socket and the context."""
@@ -96,31 +132,45 @@ class BufferService:
         finally:
             if auth is not None:
                 auth.stop()  # before term(), which waits for the ZAP handler's sockets
-        self.socket.close(linger=0)
+        self.socket.close(linger=STOP_LINGER_MS)
         self.context.term()
 
     async def _serve(self) -> None:
         self.socket.bind(self.endpoint)
         log.info("buffer serving on %s", self.endpoint)
-        while not self.stopping.is_set():
-            ready = await self.socket.poll(POLL_MS)
-            self._expire_silent_generators()
-            if not ready:
-                continue
-            identity, *frames = await self.socket.recv_multipart(copy=False)
-            try:
-                body, arrays = decode(frames)
-                await self._handle(identity.bytes, body, arrays)
-            except WireError as error:
-                self.rejected[error.reason] += 1
-                log.warning("rejected message: %s", error)
-                await self._reply(identity.bytes, ErrorReply(error.reason, str(error)))
-            except AssertionError:  # a broken invariant of the store: stop, loudly
-                raise
-            except Exception as error:  # one bad message must not stop the service
-                self.rejected["internal"] += 1
-                log.exception("failed to handle a message")
-                await self._reply(identity.bytes, ErrorReply("internal", repr(error)))
+        try:
+            while not self.stopping.is_set():
+                ready = await self.socket.poll(self._poll_timeout_ms())
+                self._expire_silent_generators()
+                if ready:
+                    await self._receive()
+                await self._serve_held(time.monotonic())
+        finally:  # no replica is left waiting on a request that will never be answered
+            for held in list(self.held.values()):
+                await self._answer_held(held, [], time.monotonic())
+
+    async def _receive(self) -> None:
+        identity, *frames = await self.socket.recv_multipart(copy=False)
+        try:
+            body, arrays = decode(frames)
+            await self._handle(identity.bytes, body, arrays)
+        except WireError as error:
+            self.rejected[error.reason] += 1
+            log.warning("rejected message: %s", error)
+            await self._reply(identity.bytes, ErrorReply(error.reason, str(error)))
+        except AssertionError:  # a broken invariant of the store: stop, loudly
+            raise
+        except Exception as error:  # one bad message must not stop the service
+            self.rejected["internal"] += 1
+            log.exception("failed to handle a message")
+            await self._reply(identity.bytes, ErrorReply("internal", repr(error)))
+
+    def _poll_timeout_ms(self) -> int:
+        """``POLL_MS``, or less when a held request's deadline comes first."""
+        if not self.held:
+            return POLL_MS
+        first = min(held.deadline for held in self.held.values())
+        return max(0, min(POLL_MS, math.ceil((first - time.monotonic()) * 1000)))
 
     def _expire_silent_generators(self) -> None:
         for generator_id in self.store.expire_silent(time.monotonic()):
@@ -133,10 +183,19 @@ class BufferService:
     async def _handle(self, identity: bytes, body, arrays) -> None:
         now = time.monotonic()
         match body:
-            case WorkRequest(generator_id=generator_id, max_samples=max_samples):
+            case WorkRequest(generator_id=generator_id, max_samples=max_samples, wait_s=wait_s):
+                wait_s = self._checked_wait(wait_s)
+                earlier = self.held.pop(generator_id, None)
+                if earlier is not None:  # one held request per generator: the newer one counts
+                    await self._answer_held(earlier, [], now)
                 items = self.store.dispatch(generator_id, max_samples, now)
-                retry = 0.0 if items else RETRY_AFTER_S
-                await self._reply(identity, WorkGrant(items, self.store.policy_version, retry))
+                if items or not wait_s:
+                    retry = 0.0 if items else RETRY_AFTER_S
+                    await self._reply(identity, WorkGrant(items, self.store.policy_version, retry))
+                else:
+                    held = HeldRequest(identity, generator_id, max_samples, now + wait_s)
+                    self.held[generator_id] = held
+                    self.counters["work_requests_held"] += 1
             case Trajectories(samples=metas, stats=generator_stats, pool=pool):
                 samples = split_samples(metas, {name: a.numpy() for name, a in arrays.items()})
                 accepted = self.store.ingest(samples, now)
@@ -159,6 +218,9 @@ class BufferService:
                 )
                 await self._reply(identity, joined)
             case Leave(generator_id=generator_id):
+                earlier = self.held.pop(generator_id, None)
+                if earlier is not None:  # answered first: every request gets one reply
+                    await self._answer_held(earlier, [], now)
                 requeued = self.store.leave(generator_id)
                 log.info(
                     "generator %s left; %d unfinished group(s) requeued", generator_id, requeued
@@ -178,8 +240,63 @@ class BufferService:
                     "unexpected_type", f"the buffer does not serve {type(body).__name__}"
                 )
 
+    def _checked_wait(self, wait_s: float) -> float:
+        """``WorkRequest.wait_s``, cut to the longest hold the heartbeat timeout allows."""
+        if not math.isfinite(wait_s) or wait_s < 0:
+            raise WireError(
+                "bad_field", f"WorkRequest.wait_s must be a finite number >= 0, got {wait_s}"
+            )
+        return min(wait_s, MAX_WAIT_FRACTION * self.store.heartbeat_timeout_s)
+
+    def _dispatch_state(self) -> tuple:
+        """What a refused dispatch depends on: held requests are tried again when it changes.
+
+        Admission (the version, the samples started), the requeued groups
+        waiting (a new one, or one taken that blocked new prompts) and back-pressure.
+        """
+        store = self.store
+        requeued = (len(store.requeue), store.counters["requeued_groups"])
+        return (store.policy_version, store.started_samples, requeued, store.backpressured())
+
+    async def _serve_held(self, now: float) -> None:
+        """Answer held requests that dispatch can now serve, and those past their deadline."""
+        if not self.held:
+            return
+        state = self._dispatch_state()
+        if state != self.held_seen:
+            for held in list(self.held.values()):
+                refusals = {key: self.store.counters[key] for key in REFUSALS}
+                items = self.store.dispatch(held.generator_id, held.max_samples, now)
+                if items:
+                    self.counters["work_requests_held_granted"] += 1
+                    await self._answer_held(held, items, now)
+                else:  # the same request refused again: not a new refusal
+                    for key, value in refusals.items():
+                        self.store.counters[key] = value
+            self.held_seen = self._dispatch_state()
+        for held in [h for h in self.held.values() if h.deadline <= now]:
+            await self._answer_held(held, [], now)
+
+    async def _answer_held(self, held: HeldRequest, items: list[WorkItem], now: float) -> None:
+        """Reply to a held request; the wait counts as contact when the replica is there."""
+        if self.held.get(held.generator_id) is held:
+            del self.held[held.generator_id]
+        grant = WorkGrant(items, self.store.policy_version, 0.0)
+        if await self._reply(held.identity, grant):
+            self.store.heartbeat(held.generator_id, now)
+
+    def _service_stats(self) -> dict[str, float]:
+        """The service's own counters: rejected messages and held work requests."""
+        stats = {f"buffer_rejected_{k}": float(v) for k, v in self.rejected.items()}
+        return stats | {
+            "buffer_work_requests_held": float(self.counters["work_requests_held"]),
+            "buffer_work_requests_held_granted": float(self.counters["work_requests_held_granted"]),
+            "buffer_work_requests_held_now": float(len(self.held)),
+        }
+
     def _status(self, now: float) -> Status:
-        stats = self.store.stats(now) | generators_summary(self.generator_stats)
+        stats = self.store.stats(now) | self._service_stats()
+        stats |= generators_summary(self.generator_stats)
         generators = {
             generator_id: {"seen_s_ago": now - seen, **self.generator_stats.get(generator_id, {})}
             for generator_id, seen in self.store.last_seen.items()
@@ -210,21 +327,22 @@ class BufferService:
         batch = self.store.take_batch()
         if batch is None:
             return
-        stats = self.store.stats(time.monotonic()) | {
-            f"buffer_rejected_{k}": float(v) for k, v in self.rejected.items()
-        }
+        stats = self.store.stats(time.monotonic()) | self._service_stats()
         stats |= generators_summary(self.generator_stats)
         stats |= pools_summary(self.generator_stats, self.generator_pools)
         metas, arrays = join_samples(batch)
         await self._reply(self.pending_batch, Trajectories(metas, stats), arrays)
         self.pending_batch = None
 
-    async def _reply(self, identity: bytes, body, arrays=None) -> None:
+    async def _reply(self, identity: bytes, body, arrays=None) -> bool:
+        """Send ``body`` to ``identity``; False (and counted) if that peer is gone."""
         try:
             await self.socket.send_multipart([identity, *encode(body, arrays)], copy=False)
         except zmq.ZMQError as error:  # the peer went away; its work is not lost here
             self.rejected["unroutable_reply"] += 1
             log.warning("could not reply to a peer: %s", error)
+            return False
+        return True
 
 
 def generators_summary(per_generator: dict[str, dict[str, float]]) -> dict[str, float]:

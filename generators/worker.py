@@ -14,6 +14,12 @@ chunk in which it finished. Between chunks, and while idle, the replica sends a
 ``Heartbeat`` when it has not spoken to the buffer for
 ``buffer.heartbeat_interval_s``, so the buffer never mistakes a replica that is
 busy generating for a dead one and requeues its groups.
+
+A replica with nothing at all to do (no rollout, no episode waiting for its
+environment, no reward being computed) lets the buffer hold its work request
+for up to ``buffer.heartbeat_interval_s`` (``WorkRequest.wait_s``): the buffer
+answers the moment work is admitted, so new prompts, and the weights fetched
+just before the next chunk, follow a learner step without a poll interval.
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ LEAVE_TIMEOUT_S = 2.0
 """How long a stopping replica waits for the buffer to acknowledge that it leaves."""
 SCORE_WAIT_S = 0.005
 """How long ``send`` waits for the scores it just asked for; later ones go with a later send."""
+STOP_POLL_S = 0.1
+"""How often a replica whose work request the buffer holds checks whether it should stop."""
 
 
 class GeneratorReplica:
@@ -109,6 +117,8 @@ class GeneratorReplica:
         retry_after = 0.0
         while not self.stopping:
             retry_after = self.top_up()
+            if retry_after is None:  # stopping; only Leave may follow the request left open
+                break
             self.collect_episodes()
             if not self.active:
                 if self.scoring:
@@ -153,10 +163,16 @@ class GeneratorReplica:
     def leave(self) -> None:
         """Tell the buffer this replica stops, so its unfinished groups are requeued now."""
         try:
-            ack, _ = self.buffer.request(Leave(self.generator_id), timeout_s=LEAVE_TIMEOUT_S)
-            log.info("left the run; %d unfinished group(s) handed back", ack.accepted)
+            reply, _ = self.buffer.request(Leave(self.generator_id), timeout_s=LEAVE_TIMEOUT_S)
+            while isinstance(reply, WorkGrant):  # a held work request, answered before Leave
+                reply, _ = self.buffer.receive(LEAVE_TIMEOUT_S)
         except (TimeoutError, zmq.ZMQError) as error:  # the buffer is gone: nothing to tell
             log.info("could not say goodbye to the buffer: %s", error)
+            return
+        if isinstance(reply, Ack):
+            log.info("left the run; %d unfinished group(s) handed back", reply.accepted)
+        else:
+            log.warning("the buffer answered Leave with %r", reply)
 
     def heartbeat(self) -> None:
         """Tell the buffer this replica is alive, unless another request just did."""
@@ -175,15 +191,17 @@ class GeneratorReplica:
         self.last_contact = time.monotonic()
         return reply
 
-    def top_up(self) -> float:
-        """Ask the buffer for as many samples as there is room for; returns its retry hint."""
+    def top_up(self) -> float | None:
+        """Ask the buffer for as many samples as there is room for; returns its retry hint,
+        or None when asked to stop while the buffer held the request."""
         room = self.config.generators.max_active_samples - len(self.active)
         if self.episodes is not None:
             room -= self.episodes.waiting
         if room < self.config.algorithm.group_size:
             return 0.0
-        grant, _ = self.request(WorkRequest(self.generator_id, room))
-        assert isinstance(grant, WorkGrant), grant
+        grant = self.ask_for_work(room)
+        if grant is None:
+            return None
         now = time.time()
         for item in grant.items:
             if self.episodes is not None:
@@ -206,6 +224,43 @@ class GeneratorReplica:
                     )
                 )
         return grant.retry_after_s
+
+    def idle(self) -> bool:
+        """Nothing generating, waiting for an environment or being scored: a replica that
+        blocks at the buffer now delays nothing of its own."""
+        stepping = self.episodes is not None and self.episodes.waiting
+        return not (self.active or self.scoring or stepping)
+
+    def ask_for_work(self, room: int) -> WorkGrant | None:
+        """The buffer's answer to a WorkRequest for ``room`` samples, or None if asked to stop.
+
+        An idle replica lets the buffer hold the request until work is admitted, for
+        up to ``buffer.heartbeat_interval_s`` (the request is its heartbeat meanwhile),
+        and checks every ``STOP_POLL_S`` whether it should stop. A request given up
+        that way is answered anyway, when the replica says ``Leave``.
+        """
+        if not self.idle():
+            grant, _ = self.request(WorkRequest(self.generator_id, room))
+            assert isinstance(grant, WorkGrant), grant
+            return grant
+        wait_s = self.config.buffer.heartbeat_interval_s
+        self.buffer.send(WorkRequest(self.generator_id, room, wait_s))
+        give_up = time.monotonic() + wait_s + self.buffer.timeout_s
+        while True:
+            try:
+                grant, _ = self.buffer.receive(timeout_s=STOP_POLL_S)
+            except TimeoutError:
+                if self.stopping:
+                    return None
+                if time.monotonic() > give_up:
+                    raise TimeoutError(
+                        f"no answer from {self.buffer.endpoint} within "
+                        f"{wait_s + self.buffer.timeout_s:.0f}s of a held work request"
+                    ) from None
+                continue
+            self.last_contact = time.monotonic()
+            assert isinstance(grant, WorkGrant), grant
+            return grant
 
     def sync_weights(self) -> None:
         update = self.weights.fetch_newer(self.backend.version)

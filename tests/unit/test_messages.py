@@ -75,6 +75,7 @@ def two_samples() -> tuple[Trajectories, dict[str, np.ndarray]]:
     "body",
     [
         WorkRequest("gen-0", max_samples=16),
+        WorkRequest("gen-0", max_samples=16, wait_s=1.5),
         WorkGrant(
             [
                 WorkItem(7, 8, [1, 5, 6, 7, 3], "678", "synthetic/digits"),
@@ -219,6 +220,15 @@ def test_wrongly_typed_field_is_rejected_naming_the_field_path():
 
     assert caught.value.reason == "bad_header"
     assert "$.body.samples[0].group_id" in str(caught.value)
+
+
+def test_a_work_request_without_wait_s_asks_for_an_answer_at_once():
+    # what a replica built before wait_s existed sends: the buffer must not hold it
+    frame = header({"type": "work_request", "generator_id": "gen-0", "max_samples": 8})
+
+    request, _ = decode([frame])
+
+    assert request == WorkRequest("gen-0", max_samples=8, wait_s=0.0)
 
 
 def test_missing_required_field_is_rejected_as_bad_header():

@@ -1,0 +1,362 @@
+"""A real BufferService holds an idle replica's work request until work is admitted.
+
+``WorkRequest.wait_s > 0`` lets the buffer keep a request it cannot serve and
+answer it as soon as dispatch can (the learner's next ``BatchRequest`` opens
+admission), or with an empty grant at its deadline. Every request still gets
+exactly one reply: on Leave, on a newer request of the same generator and when
+the service stops. Ordering is asserted, not latency.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+from running_buffer import RunningBuffer
+
+from asyncrl.config import Config, load_config
+from asyncrl.messages import (
+    Ack,
+    BatchRequest,
+    ErrorReply,
+    Leave,
+    Status,
+    StatusRequest,
+    Trajectories,
+    TrajectoryMeta,
+    WorkGrant,
+    WorkRequest,
+    decode,
+    encode,
+)
+from asyncrl.transport import RequestClient, client_socket, free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+REPLY_TIMEOUT_S = 10.0
+GROUP_SIZE = 4
+BATCH = 2 * GROUP_SIZE
+LONG_WAIT_S = 30.0
+"""A hold that outlasts any test: only work, Leave, a newer request or a stop end it."""
+
+
+def make_config(*overrides: str) -> Config:
+    """Synchronous admission (one batch of prompts per version) and a long heartbeat
+    timeout, so a held request is capped well beyond any test."""
+    return load_config(
+        QUICKSTART,
+        [
+            f"algorithm.group_size={GROUP_SIZE}",
+            "algorithm.prompts_per_step=2",
+            f"cluster.buffer_port={free_port()}",
+            f"cluster.weights_port={free_port()}",
+            "buffer.max_staleness=0",
+            "buffer.heartbeat_timeout_s=100",
+            "buffer.heartbeat_interval_s=0.1",
+            *overrides,
+        ],
+    )
+
+
+@contextlib.contextmanager
+def running_buffer(config: Config) -> Iterator[RunningBuffer]:
+    running = RunningBuffer(config).start()
+    try:
+        yield running
+    finally:
+        running.stop()
+    assert running.error is None, running.error
+
+
+@pytest.fixture
+def context():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def exchange(sock: zmq.Socket, body, arrays=None):
+    sock.send_multipart(encode(body, arrays))
+    reply, _ = decode(sock.recv_multipart())
+    return reply
+
+
+def receive(sock: zmq.Socket):
+    assert sock.poll(int(REPLY_TIMEOUT_S * 1000)), "no reply"
+    reply, _ = decode(sock.recv_multipart())
+    return reply
+
+
+def status(sock: zmq.Socket) -> Status:
+    reply = exchange(sock, StatusRequest())
+    assert isinstance(reply, Status), reply
+    return reply
+
+
+def held_now(sock: zmq.Socket, count: int) -> dict[str, float]:
+    """The buffer's stats once it holds ``count`` requests (messages on other
+    connections may still be on their way when this one asks)."""
+    deadline = time.monotonic() + REPLY_TIMEOUT_S
+    while (stats := status(sock).stats)["buffer_work_requests_held_now"] != count:
+        assert time.monotonic() < deadline, f"the buffer never held {count} request(s)"
+        time.sleep(0.02)
+    return stats
+
+
+def send_group(sock: zmq.Socket, group_id: int, generator_id: str, stats=None) -> None:
+    metas = [
+        TrajectoryMeta(group_id, i, 4, 3, float(i), "stop", generator_id) for i in range(GROUP_SIZE)
+    ]
+    arrays = {
+        "prompt_ids": np.ones(4 * GROUP_SIZE, dtype=np.int32),
+        "response_ids": np.full(3 * GROUP_SIZE, 4, dtype=np.int32),
+        "logprobs": np.full(3 * GROUP_SIZE, -0.5, dtype=np.float32),
+        "token_versions": np.zeros(3 * GROUP_SIZE, dtype=np.int32),
+        "loss_mask": np.ones(3 * GROUP_SIZE, dtype=np.uint8),
+    }
+    reply = exchange(sock, Trajectories(metas, stats or {}), arrays)
+    assert reply == Ack(accepted=GROUP_SIZE), reply
+
+
+def close_admission(sock: zmq.Socket) -> list[int]:
+    """``gen-x`` takes the whole batch version 0 admits; returns its group ids."""
+    grant = exchange(sock, WorkRequest("gen-x", max_samples=BATCH))
+    assert isinstance(grant, WorkGrant) and len(grant.items) == 2, grant
+    return [item.group_id for item in grant.items]
+
+
+def ids(grant: WorkGrant) -> list[int]:
+    return [item.group_id for item in grant.items]
+
+
+# --------------------------------------------------------------------------
+
+
+def test_a_held_request_is_answered_with_work_once_the_learner_s_next_step_admits_it(context):
+    with running_buffer(make_config()) as buffer:
+        taker = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        a = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        c = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        learner = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        observer = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        for group_id in close_admission(taker):
+            send_group(taker, group_id, "gen-x")
+
+        a.send_multipart(encode(WorkRequest("gen-a", BATCH, wait_s=LONG_WAIT_S)))
+        c.send_multipart(encode(WorkRequest("gen-c", BATCH, wait_s=LONG_WAIT_S)))
+        held = held_now(observer, 2)
+        assert held["buffer_work_requests_held"] == 2.0
+        assert held["buffer_admission_refusals"] == 2.0
+
+        # the learner takes the batch of version 0: still nothing admitted, still held
+        batch = exchange(learner, BatchRequest(policy_version=0))
+        assert isinstance(batch, Trajectories) and len(batch.samples) == BATCH
+        assert batch.stats["buffer_work_requests_held_now"] == 2.0
+        assert a.poll(0) == 0 and c.poll(0) == 0
+
+        # version 1 admits one more batch of prompts: the older held request gets it
+        learner.send_multipart(encode(BatchRequest(policy_version=1)))
+        grant = receive(a)
+        assert isinstance(grant, WorkGrant)
+        assert ids(grant) == [2, 3]
+        assert grant.policy_version == 1  # answered after the BatchRequest was handled
+        assert grant.retry_after_s == 0.0
+
+        after = status(observer).stats
+        assert after["buffer_work_requests_held_granted"] == 1.0
+        assert after["buffer_work_requests_held_now"] == 1.0  # gen-c: nothing left for it
+        assert after["buffer_admission_refusals"] == 2.0  # tried again, not refused again
+        assert set(buffer.store.in_flight) == {2, 3}
+        assert c.poll(0) == 0
+
+    # stopping the service answers the request still held, with nothing
+    last = receive(c)
+    assert isinstance(last, WorkGrant) and last.items == []
+
+
+def test_a_held_request_with_nothing_to_give_is_answered_empty_at_its_deadline(context):
+    with running_buffer(make_config()) as buffer:
+        taker = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        a = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        close_admission(taker)
+
+        grant = exchange(a, WorkRequest("gen-a", BATCH, wait_s=0.2))
+
+        assert isinstance(grant, WorkGrant)
+        assert grant.items == []
+        assert grant.retry_after_s == 0.0  # it waited already: ask again at once
+        stats = status(a).stats
+        assert stats["buffer_work_requests_held"] == 1.0
+        assert stats["buffer_work_requests_held_granted"] == 0.0
+        assert stats["buffer_work_requests_held_now"] == 0.0
+
+
+def test_without_wait_s_a_refused_request_is_answered_at_once_with_a_retry_hint(context):
+    with running_buffer(make_config()) as buffer:
+        taker = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        close_admission(taker)
+        refused = exchange(taker, WorkRequest("gen-x", BATCH))
+        assert refused.items == [] and refused.retry_after_s > 0
+        assert status(taker).stats["buffer_work_requests_held"] == 0.0
+
+
+@pytest.mark.parametrize("wait_s", [-1.0, math.nan, math.inf], ids=["negative", "nan", "inf"])
+def test_an_invalid_wait_s_is_rejected_as_bad_field_and_the_buffer_keeps_serving(context, wait_s):
+    with running_buffer(make_config()) as buffer:
+        sock = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+
+        reply = exchange(sock, WorkRequest("gen-a", BATCH, wait_s=wait_s))
+
+        assert isinstance(reply, ErrorReply)
+        assert reply.reason == "bad_field"
+        assert "wait_s" in reply.detail
+        assert buffer.service.rejected["bad_field"] == 1
+        assert buffer.store.cursor == 0  # nothing was dispatched
+        grant = exchange(sock, WorkRequest("gen-a", BATCH, wait_s=1.0))
+        assert ids(grant) == [0, 1]
+        assert status(sock).stats["buffer_rejected_bad_field"] == 1.0
+
+
+def test_a_generator_waiting_at_the_buffer_is_never_taken_for_silent(context):
+    # a wait far beyond the 0.5 s timeout: the buffer cuts it, so the generator speaks
+    # again before it could expire, and keeps the groups it was given
+    timeout_s = 0.5
+    config = make_config(f"buffer.heartbeat_timeout_s={timeout_s}")
+    with running_buffer(config) as buffer:
+        a = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        taken = exchange(a, WorkRequest("gen-a", max_samples=BATCH))
+        assert ids(taken) == [0, 1]
+
+        until = time.monotonic() + 4 * timeout_s
+        while time.monotonic() < until:  # uncut, the first hold would outlast the socket
+            grant = exchange(a, WorkRequest("gen-a", BATCH, wait_s=1000.0))
+            assert isinstance(grant, WorkGrant) and grant.items == []
+            assert "gen-a" in buffer.store.last_seen
+
+        assert buffer.store.counters["requeued_groups"] == 0
+        assert set(buffer.store.in_flight) == {0, 1}
+
+
+def test_leave_answers_the_held_request_first_then_requeues(context):
+    with running_buffer(make_config()) as buffer:
+        a = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        taken = exchange(a, WorkRequest("gen-a", max_samples=BATCH))
+        assert ids(taken) == [0, 1]
+
+        a.send_multipart(encode(WorkRequest("gen-a", BATCH, wait_s=LONG_WAIT_S)))
+        a.send_multipart(encode(Leave("gen-a")))
+
+        first, second = receive(a), receive(a)
+        assert isinstance(first, WorkGrant) and first.items == []
+        assert second == Ack(accepted=2)
+        assert buffer.store.counters["requeued_groups"] == 2
+        assert "gen-a" not in buffer.service.held
+
+
+def test_a_newer_request_of_the_same_generator_replaces_the_held_one(context):
+    with running_buffer(make_config()) as buffer:
+        taker = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        old = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        new = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        learner = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        for group_id in close_admission(taker):
+            send_group(taker, group_id, "gen-x")
+
+        old.send_multipart(encode(WorkRequest("gen-a", BATCH, wait_s=LONG_WAIT_S)))
+        held_now(taker, 1)  # the first request is in
+        new.send_multipart(encode(WorkRequest("gen-a", BATCH, wait_s=LONG_WAIT_S)))
+
+        replaced = receive(old)
+        assert isinstance(replaced, WorkGrant) and replaced.items == []
+        assert status(taker).stats["buffer_work_requests_held_now"] == 1.0
+        exchange(learner, BatchRequest(policy_version=0))
+        learner.send_multipart(encode(BatchRequest(policy_version=1)))
+        assert ids(receive(new)) == [2, 3]
+
+
+# --------------------------------------------------------------------------
+# the replica's side
+
+
+def replica_for(buffer: RunningBuffer, context: zmq.Context, generator_id: str = "gen-w"):
+    from asyncrl.generators.worker import GeneratorReplica
+
+    client = RequestClient(context, buffer.endpoint, timeout_s=REPLY_TIMEOUT_S)
+    weights = f"tcp://127.0.0.1:{buffer.config.cluster.weights_port}"
+    return GeneratorReplica(buffer.config, generator_id, None, context, "default", client, weights)
+
+
+def test_an_idle_replica_waits_at_the_buffer_and_gets_work_when_the_learner_admits_it(context):
+    config = make_config("buffer.heartbeat_interval_s=20")  # the replica's wait_s
+    with running_buffer(config) as buffer:
+        taker = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        for group_id in close_admission(taker):
+            send_group(taker, group_id, "gen-x")
+        replica = replica_for(buffer, context)
+        assert replica.idle()
+
+        def learner() -> None:  # its next step, once the replica is waiting
+            sock = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+            try:
+                held_now(sock, 1)
+                exchange(sock, BatchRequest(policy_version=0))
+                sock.send_multipart(encode(BatchRequest(policy_version=1)))
+            finally:
+                sock.close(linger=0)
+
+        thread = threading.Thread(target=learner)
+        thread.start()
+        try:
+            grant = replica.ask_for_work(BATCH)
+        finally:
+            thread.join(REPLY_TIMEOUT_S)
+            replica.scorer.close()
+        assert grant is not None
+        assert ids(grant) == [2, 3]
+        assert grant.policy_version == 1
+        assert buffer.service.counters["work_requests_held_granted"] == 1
+
+
+def test_a_replica_stopped_while_waiting_gives_up_the_request_and_still_leaves(context):
+    config = make_config("buffer.heartbeat_interval_s=20")
+    with running_buffer(config) as buffer:
+        taker = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        close_admission(taker)
+        replica = replica_for(buffer, context)
+        replica.stopping = True  # as SIGTERM sets it
+
+        try:
+            assert replica.ask_for_work(BATCH) is None
+            replica.leave()  # skips the held request's (empty) answer, reads its Ack
+        finally:
+            replica.scorer.close()
+        # the request reached the buffer before Leave (one connection keeps the order)
+        assert buffer.service.counters["work_requests_held"] == 1
+        assert buffer.store.counters["generators_left"] == 1
+        assert not buffer.service.held
+        assert "gen-w" not in buffer.store.last_seen
+        assert replica.buffer.socket.poll(0) == 0  # both replies were read
+
+
+def test_a_busy_replica_does_not_ask_the_buffer_to_hold_its_request(context):
+    config = make_config("buffer.heartbeat_interval_s=20")
+    with running_buffer(config) as buffer:
+        taker = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        close_admission(taker)
+        replica = replica_for(buffer, context)
+        replica.active.append(object())  # a rollout in progress
+        try:
+            assert not replica.idle()
+            grant = replica.ask_for_work(BATCH)
+        finally:
+            replica.scorer.close()
+        assert grant is not None and grant.items == [] and grant.retry_after_s > 0
+        assert buffer.service.counters["work_requests_held"] == 0
