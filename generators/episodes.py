@@ -74,6 +74,10 @@ MAX_STUCK_THREADS = 64
 _LOGGED_PER_TAG = 5
 
 
+def _name(episode: _Episode) -> str:
+    return f"episode {episode.rollout.group_id}/{episode.rollout.sample_index}"
+
+
 @dataclass(eq=False)
 class _Episode:
     rollout: Rollout
@@ -239,7 +243,11 @@ class Episodes:
             self.stats["env_errors"] += 1
             what = "step" if episode.runner is not None else "reset"
             self._warn(
-                ERROR_ENVIRONMENT, "environment %s failed, episode scored 0: %r", what, error
+                ERROR_ENVIRONMENT,
+                "%s, scored 0: the environment's %s raised %r",
+                _name(episode),
+                what,
+                error,
             )
             detail = f"{type(error).__name__}: {error}"[:500]
             finished.append(self._close(episode, Score(0.0, ERROR_ENVIRONMENT, detail)))
@@ -252,10 +260,11 @@ class Episodes:
                 self.stats["prompt_too_long"] += 1
                 self._warn(
                     ERROR_PROMPT_TOO_LONG,
-                    "the episode's prompt (the environment's reset messages, tool listing "
-                    "included, rendered by the %s formatter) has %d tokens, more than "
-                    "data.max_prompt_tokens=%d: the episode ends before its first turn, "
-                    "scored 0. Raise data.max_prompt_tokens or shorten the prompt",
+                    "%s, scored 0: its prompt (the environment's reset messages, tool "
+                    "listing included, rendered by the %s formatter) has %d tokens, more "
+                    "than data.max_prompt_tokens=%d, so it ends before its first turn. "
+                    "Raise data.max_prompt_tokens or shorten the prompt",
+                    _name(episode),
                     self.config.formatter,
                     runner.prompt_len,
                     limit,
@@ -294,7 +303,7 @@ class Episodes:
                 f"the {what} ran past environment.step_timeout_s="
                 f"{self.config.step_timeout_s:g}; its thread was abandoned"
             )
-        self._warn(ERROR_ENVIRONMENT_TIMEOUT, "episode scored 0: %s", detail)
+        self._warn(ERROR_ENVIRONMENT_TIMEOUT, "%s, scored 0: %s", _name(episode), detail)
         if self.pool.stalled and not self._stall_logged:
             self._stall_logged = True
             log.error(

@@ -49,6 +49,33 @@ class CountdownEnv(Environment):
         return StepResult([{"role": "tool", "content": "99"}], tool_calls=1)
 
 
+class FlakyCountdownEnv(CountdownEnv):
+    """For a launched run (tests/integration/test_environment_run.py): a first step hangs
+    for ``hang_s`` when the prompt starts with ``hang_prefix``, and a final answer is
+    also scored by the reward function named ``score_with``."""
+
+    def __init__(self, turns: int = 3, hang_prefix: str = "", hang_s: float = 0.0, score_with=""):
+        super().__init__(turns)
+        self.hang_prefix, self.hang_s, self.score_with = hang_prefix, hang_s, score_with
+
+    def reset(self, row):
+        self.row = row
+        content = row["prompt"][0]["content"]
+        self.hang = bool(self.hang_prefix) and content.startswith(self.hang_prefix)
+        return super().reset(row)
+
+    def step(self, response):
+        if self.hang:
+            self.hang = False
+            time.sleep(self.hang_s)
+        result = super().step(response)
+        if result.done and self.score_with:
+            truth = self.row["reward_model"]["ground_truth"]
+            request = ScoreRequest(self.score_with, response, self.row["data_source"], truth)
+            result.score_request = request
+        return result
+
+
 class ScriptedBackend:
     """A scripted model: each turn is ``turn_length`` tokens of "1" then EOS."""
 
