@@ -32,7 +32,7 @@ import math
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -297,6 +297,7 @@ class BufferService:
     def _status(self, now: float) -> Status:
         stats = self.store.stats(now) | self._service_stats()
         stats |= generators_summary(self.generator_stats)
+        stats |= busy_fraction(self.generator_stats, self.store.last_seen)
         generators = {
             generator_id: {"seen_s_ago": now - seen, **self.generator_stats.get(generator_id, {})}
             for generator_id, seen in self.store.last_seen.items()
@@ -329,6 +330,7 @@ class BufferService:
             return
         stats = self.store.stats(time.monotonic()) | self._service_stats()
         stats |= generators_summary(self.generator_stats)
+        stats |= busy_fraction(self.generator_stats, self.store.last_seen)
         stats |= pools_summary(self.generator_stats, self.generator_pools)
         metas, arrays = join_samples(batch)
         await self._reply(self.pending_batch, Trajectories(metas, stats), arrays)
@@ -355,6 +357,21 @@ def generators_summary(per_generator: dict[str, dict[str, float]]) -> dict[str, 
         summary[f"generators_{key}"] = sum(values) / len(values)
         summary[f"generators_{key}_total"] = float(sum(values))
     return summary
+
+
+def busy_fraction(
+    per_generator: dict[str, dict[str, float]], live: Iterable[str]
+) -> dict[str, float]:
+    """``generators_busy_fraction``: the share of their time the live replicas spent
+    generating or loading weights (their ``busy_s`` over their ``wall_s``, summed), so an
+    idle fleet (a learner-bound run, a sync run's training phase) shows. Absent until a
+    live replica has reported."""
+    reports = [per_generator[g] for g in live if g in per_generator]
+    wall = sum(stats.get("wall_s", 0.0) for stats in reports)
+    if wall <= 0:
+        return {}
+    busy = sum(stats.get("busy_s", 0.0) for stats in reports)
+    return {"generators_busy_fraction": busy / wall}
 
 
 def pools_summary(

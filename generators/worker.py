@@ -20,6 +20,8 @@ environment, no reward being computed) lets the buffer hold its work request
 for up to ``buffer.heartbeat_interval_s`` (``WorkRequest.wait_s``): the buffer
 answers the moment work is admitted, so new prompts, and the weights fetched
 just before the next chunk, follow a learner step without a poll interval.
+It reports ``busy_s`` (generating and loading weights) and ``wall_s`` with its
+trajectories, so the run's metrics show how busy the replicas are.
 """
 
 from __future__ import annotations
@@ -95,6 +97,9 @@ class GeneratorReplica:
         self.stats = {"samples_sent": 0, "weight_swaps": 0, "weight_swap_latency_s": 0.0}
         self.stats["weight_load_s"] = 0.0
         self.stats["reward_errors"] = 0
+        self.stats["busy_s"] = 0.0  # generating chunks, fetching and loading weights
+        self.stats["wall_s"] = 0.0  # since run_loop started, as of the latest send
+        self.started_at = time.monotonic()
         self.scorer = RewardScorer.from_config(config.reward)
         """Scores finished samples in worker processes, off this loop (asyncrl.rewards)."""
         self.scoring: list[tuple[Rollout, Future]] = []
@@ -115,6 +120,7 @@ class GeneratorReplica:
 
     def run_loop(self) -> None:
         retry_after = 0.0
+        self.started_at = time.monotonic()
         while not self.stopping:
             retry_after = self.top_up()
             if retry_after is None:  # stopping; only Leave may follow the request left open
@@ -127,8 +133,10 @@ class GeneratorReplica:
                 stepping = self.episodes is not None and self.episodes.waiting
                 time.sleep(0.005 if stepping else max(retry_after, 0.01))
                 continue
+            busy_from = time.monotonic()
             self.sync_weights()
             self.backend.generate_chunk(self.active, self.config.generators.chunk_tokens)
+            self.stats["busy_s"] += time.monotonic() - busy_from
             ended = [r for r in self.active if r.finished]
             self.active = [r for r in self.active if not r.finished]
             finished = []
@@ -300,6 +308,7 @@ class GeneratorReplica:
         rollouts = [r for r, _ in scored]
         metas, arrays = self.package(rollouts, [future.result() for _, future in scored])
         # the replica's own counters ride along, so the run's metrics show them
+        self.stats["wall_s"] = time.monotonic() - self.started_at
         stats = {key: float(value) for key, value in self.stats.items()}
         ack, _ = self.request(Trajectories(metas, stats, self.pool), arrays)
         assert isinstance(ack, Ack), ack

@@ -21,6 +21,7 @@ import pytest
 import zmq
 from running_buffer import RunningBuffer
 
+from asyncrl.buffer.service import busy_fraction
 from asyncrl.config import Config, load_config
 from asyncrl.messages import (
     Ack,
@@ -280,6 +281,37 @@ def test_a_newer_request_of_the_same_generator_replaces_the_held_one(context):
         exchange(learner, BatchRequest(policy_version=0))
         learner.send_multipart(encode(BatchRequest(policy_version=1)))
         assert ids(receive(new)) == [2, 3]
+
+
+def test_generators_busy_fraction_reaches_the_learner_s_stats(context):
+    with running_buffer(make_config()) as buffer:
+        a = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        b = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        learner = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        assert ids(exchange(a, WorkRequest("gen-a", GROUP_SIZE))) == [0]
+        assert ids(exchange(b, WorkRequest("gen-b", GROUP_SIZE))) == [1]
+        send_group(a, 0, "gen-a", {"busy_s": 3.0, "wall_s": 4.0})
+        send_group(b, 1, "gen-b", {"busy_s": 1.0, "wall_s": 4.0})
+
+        batch = exchange(learner, BatchRequest(policy_version=0))
+
+        assert isinstance(batch, Trajectories)
+        assert batch.stats["generators_busy_fraction"] == pytest.approx(0.5)
+        assert batch.stats["generators_busy_s_total"] == 4.0
+        assert batch.stats["pool_default_wall_s_total"] == 8.0
+
+
+def test_busy_fraction_counts_live_replicas_only_and_is_absent_before_any_report():
+    reports = {
+        "gen-0": {"busy_s": 1.0, "wall_s": 2.0},
+        "gen-1": {"busy_s": 3.0, "wall_s": 4.0},
+        "gen-2-dead": {"busy_s": 0.0, "wall_s": 100.0},
+    }
+    assert busy_fraction(reports, ["gen-0", "gen-1"]) == {
+        "generators_busy_fraction": pytest.approx(4.0 / 6.0)
+    }
+    assert busy_fraction(reports, ["gen-new"]) == {}
+    assert busy_fraction({"gen-0": {"samples_sent": 8.0}}, ["gen-0"]) == {}
 
 
 # --------------------------------------------------------------------------
