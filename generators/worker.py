@@ -127,11 +127,13 @@ class GeneratorReplica:
                 break
             self.collect_episodes()
             if not self.active:
-                if self.scoring:
-                    self.send([])
-                self.heartbeat()
                 stepping = self.episodes is not None and self.episodes.waiting
-                time.sleep(0.005 if stepping else max(retry_after, 0.01))
+                pause_s = 0.005 if stepping else max(retry_after, 0.01)
+                if self.scoring:  # wait for the rewards, not out the pause: samples go at once
+                    self.send([], wait_s=pause_s)
+                else:
+                    time.sleep(pause_s)
+                self.heartbeat()
                 continue
             busy_from = time.monotonic()
             self.sync_weights()
@@ -286,8 +288,9 @@ class GeneratorReplica:
             self.backend.last_load_s,
         )
 
-    def send(self, finished: list[Rollout]) -> None:
-        """Ask for the rewards of ``finished``; send every sample whose reward is in."""
+    def send(self, finished: list[Rollout], wait_s: float = SCORE_WAIT_S) -> None:
+        """Ask for the rewards of ``finished``; send every sample whose reward is in after
+        at most ``wait_s`` (sooner once all are)."""
         for r in finished:
             text = self.backend.tokenizer.decode(r.response_ids, skip_special_tokens=True)
             extra = self.extra_info.get(r.group_id)
@@ -299,7 +302,7 @@ class GeneratorReplica:
                 r.data_source, text, r.ground_truth, extra[0] if extra else {}
             )
             self.scoring.append((r, future))
-        wait([future for _, future in self.scoring], timeout=SCORE_WAIT_S)
+        wait([future for _, future in self.scoring], timeout=wait_s)
         done = [future.done() for _, future in self.scoring]
         scored = [pair for pair, ready in zip(self.scoring, done, strict=True) if ready]
         if not scored:
