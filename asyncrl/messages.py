@@ -202,9 +202,13 @@ class SaveBufferState(_Body, tag="save_buffer_state"):
     unfinished groups into that checkpoint's directory, then answers with an Ack.
 
     The buffer derives the path from its own run directory; a peer never names a file.
+    ``abandoned_batch_request``: the learner stopped waiting for its last BatchRequest
+    (it is stopping), so that request is cancelled or, if the buffer answered it
+    already, the batch it served goes back among the groups not yet trained on.
     """
 
     step: int
+    abandoned_batch_request: bool = False
 
 
 class ErrorReply(_Body, tag="error"):

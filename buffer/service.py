@@ -232,7 +232,9 @@ class BufferService:
                 self.store.set_policy_version(version)
                 self.pending_batch = identity
                 await self._serve_pending()
-            case SaveBufferState(step=step):
+            case SaveBufferState(step=step, abandoned_batch_request=abandoned):
+                if abandoned:
+                    self._take_back_batch(identity)
                 self._save_state(step)
                 await self._reply(identity, Ack(accepted=1))
             case _:
@@ -303,6 +305,19 @@ class BufferService:
             for generator_id, seen in self.store.last_seen.items()
         }
         return Status(self.store.policy_version, stats, generators, dict(self.generator_pools))
+
+    def _take_back_batch(self, learner: bytes) -> None:
+        """The learner gave up on its batch request: cancel it, or take back its answer.
+
+        Messages from one peer arrive in order, so if the request is no longer
+        pending here, its batch was sent and is the last one served.
+        """
+        if self.pending_batch == learner:
+            self.pending_batch = None
+            log.info("the learner's abandoned batch request is cancelled")
+            return
+        returned = self.store.return_last_batch()
+        log.info("took back the last batch (%d samples): the learner stopped before it", returned)
 
     def _save_state(self, step: int) -> None:
         if self.run_dir is None:

@@ -189,6 +189,8 @@ class BufferStore:
         self.counters: Counter[str] = Counter()
         self.served_staleness: list[int] = []
         """Staleness of each sample of the last batch served."""
+        self.last_batch: list[Group] = []
+        """The groups of the last batch served, until :meth:`return_last_batch` or the next."""
         self.ingest_rate = 0.0
         """Accepted samples per second between the last two ``stats(now)`` calls."""
         self._rate_mark: tuple[float, int] | None = None
@@ -406,6 +408,7 @@ class BufferStore:
         assert max(staleness, default=0) <= self.max_staleness, "take_batch served a stale sample"
         for group in taken:
             self._after_serving(group)
+        self.last_batch = taken
         self.ready.sort(key=lambda g: g.version)
         self.served_staleness = staleness
         self.counters["served"] += len(batch)
@@ -419,6 +422,27 @@ class BufferStore:
             self.counters["served_again"] += len(group.samples)
         if group.times_served < self.max_reuse:
             self.ready.append(group)
+
+    def return_last_batch(self) -> int:
+        """Take back the last batch served: the learner stopped before it could train it.
+
+        Its groups are ready again as if never served (so the durable state lists
+        the ones served for the first time as unfinished); returns their samples.
+        """
+        returned = 0
+        for group in self.last_batch:
+            if group.times_served > 1:
+                self.counters["served_again"] -= len(group.samples)
+            group.times_served -= 1
+            if all(kept is not group for kept in self.ready):
+                self.ready.append(group)
+            returned += len(group.samples)
+            self.counters["served_response_tokens"] -= group.response_tokens
+        self.ready.sort(key=lambda g: g.version)
+        self.counters["served"] -= returned
+        self.counters["returned_unconsumed"] += returned
+        self.last_batch = []
+        return returned
 
     # -------------------------------------------------------------- durability
 
@@ -490,6 +514,7 @@ class BufferStore:
             "buffer_accepted": float(accepted),
             "buffer_served": float(c["served"]),
             "buffer_served_again": float(c["served_again"]),
+            "buffer_returned_unconsumed": float(c["returned_unconsumed"]),
             "buffer_dropped_stale": float(c["dropped_stale"]),
             "buffer_dropped_duplicate": float(c["dropped_duplicate"]),
             "buffer_dropped_unknown": float(c["dropped_unknown_group"]),

@@ -70,14 +70,16 @@ class BufferClient:
     def __init__(self, context: zmq.Context, endpoint: str, pad_id: int):
         self.client = RequestClient(context, endpoint, timeout_s=3600.0)
         self.pad_id = pad_id
+        self.abandoned = False
+        """A batch request is out that this learner stopped waiting for."""
 
     def next_batch(
         self, policy_version: int, stop: Callable[[], bool] = lambda: False
     ) -> tuple[TrainBatch, dict[str, float]] | None:
         """The next batch, or None once ``stop()`` is true and no batch has come.
 
-        An abandoned request stays open at the buffer: :meth:`save_state` notices
-        if the buffer answers it after all.
+        An abandoned request stays open at the buffer: :meth:`save_state` cancels
+        it, or hands its batch back if the buffer answered it after all.
         """
         if stop():
             return None
@@ -91,6 +93,7 @@ class BufferClient:
                 receive = self.client.receive  # the request is out: wait for its answer
                 waited_s += STOP_POLL_S
                 if stop():
+                    self.abandoned = True
                     return None
                 if waited_s >= self.client.timeout_s:
                     raise
@@ -99,13 +102,13 @@ class BufferClient:
         return collate(reply.samples, arrays, self.pad_id), reply.stats
 
     def save_state(self, step: int, timeout_s: float | None = None) -> None:
-        reply, _ = self.client.request(SaveBufferState(step), timeout_s=timeout_s)
-        if isinstance(reply, Trajectories):
-            raise RuntimeError(
-                f"the buffer handed out a batch the learner had stopped waiting for before it "
-                f"saved its state: checkpoint step {step} would skip that batch's prompts, so it "
-                "is not marked complete"
-            )
+        request = SaveBufferState(step, abandoned_batch_request=self.abandoned)
+        reply, _ = self.client.request(request, timeout_s=timeout_s)
+        if self.abandoned and isinstance(reply, Trajectories):
+            # the abandoned request's answer, sent before the buffer read this one,
+            # which handed that batch back: untrained, it stays in the saved state
+            reply, _ = self.client.receive(timeout_s)
+        self.abandoned = False
         if not isinstance(reply, Ack):
             raise RuntimeError(f"buffer could not save its state for step {step}: {reply!r}")
 

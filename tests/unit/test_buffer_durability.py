@@ -92,3 +92,23 @@ def test_restore_refuses_a_used_store_and_a_group_beyond_the_cursor():
         make_store().restore(
             {"cursor": 2, "policy_version": 0, "started_samples": 4, "unfinished_groups": [5]}
         )
+
+
+@pytest.mark.parametrize("max_reuse", [1, 2])
+def test_a_batch_the_learner_stopped_before_training_goes_back_to_unfinished(max_reuse):
+    store = make_store(group_size=2, samples_per_step=4, max_staleness=1, max_reuse=max_reuse)
+    store.dispatch("gen-0", max_samples=8)
+    for group_id in (0, 1, 2, 3):
+        store.ingest(group_samples(store, group_id, versions=[0]))
+    trained = {s.meta.group_id for s in store.take_batch()}
+    store.set_policy_version(1)
+    abandoned = {s.meta.group_id for s in store.take_batch()}
+    assert not trained & abandoned and not unfinished(store) & (trained | abandoned)
+
+    assert store.return_last_batch() == 4
+    # with reuse, the abandoned batch may have re-served a trained group: still trained
+    assert unfinished(store) == abandoned - trained
+    assert store.accounted() == store.counters["accepted"]  # invariant 5 holds
+    assert store.counters["served"] - store.counters["served_again"] == 4
+    assert store.stats()["buffer_returned_unconsumed"] == 4.0
+    assert store.return_last_batch() == 0  # once only
