@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections.abc import Iterator
 
 import uvloop
 
@@ -59,3 +60,14 @@ class RunningBuffer:
                 self.loop.call_soon_threadsafe(self.service.stopping.set)
         self.thread.join(10)
         assert not self.thread.is_alive(), "buffer service did not stop"
+
+
+@contextlib.contextmanager
+def running_buffer(config: Config) -> Iterator[RunningBuffer]:
+    """A started RunningBuffer, stopped on the way out; the service must not have failed."""
+    running = RunningBuffer(config).start()
+    try:
+        yield running
+    finally:
+        running.stop()
+    assert running.error is None, running.error

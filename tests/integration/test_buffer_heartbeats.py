@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
-import numpy as np
 import pytest
-import zmq
-from running_buffer import RunningBuffer
+from buffer_wire import buffer_config, exchange, send_samples
+from running_buffer import running_buffer
 
-from asyncrl.config import Config, load_config
 from asyncrl.messages import (
     Ack,
     BatchRequest,
@@ -23,89 +19,28 @@ from asyncrl.messages import (
     Status,
     StatusRequest,
     Trajectories,
-    TrajectoryMeta,
     WorkGrant,
     WorkRequest,
-    decode,
-    encode,
 )
-from asyncrl.transport import client_socket, free_port
+from asyncrl.transport import client_socket
 
 pytestmark = pytest.mark.timeout(60)
 
-QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
-REPLY_TIMEOUT_MS = 5000
-REPLY_TIMEOUT_S = REPLY_TIMEOUT_MS / 1000
+REPLY_TIMEOUT_S = 5.0
 GROUP_SIZE = 4
+GROUP = range(GROUP_SIZE)
 BATCH = 2 * GROUP_SIZE
 TIMEOUT_S = 0.5
 
-
-def make_config(*overrides: str) -> Config:
-    return load_config(
-        QUICKSTART,
-        [
-            f"algorithm.group_size={GROUP_SIZE}",
-            "algorithm.prompts_per_step=2",
-            f"cluster.buffer_port={free_port()}",
-            f"cluster.weights_port={free_port()}",
-            f"buffer.heartbeat_timeout_s={TIMEOUT_S}",
-            "buffer.heartbeat_interval_s=0.1",
-            *overrides,
-        ],
-    )
-
-
-@contextlib.contextmanager
-def running_buffer(config: Config) -> Iterator[RunningBuffer]:
-    running = RunningBuffer(config).start()
-    try:
-        yield running
-    finally:
-        running.stop()
-    assert running.error is None, running.error
+make_config = functools.partial(
+    buffer_config, group_size=GROUP_SIZE, heartbeat_timeout_s=TIMEOUT_S, heartbeat_interval_s=0.1
+)
 
 
 @pytest.fixture
 def buffer():
     with running_buffer(make_config()) as running:
         yield running
-
-
-@pytest.fixture
-def context():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-def exchange(sock: zmq.Socket, body, arrays=None):
-    sock.send_multipart(encode(body, arrays))
-    reply, _ = decode(sock.recv_multipart())
-    return reply
-
-
-def trajectories(group_id: int, indices: range, generator_id: str):
-    """A Trajectories message of samples ``indices`` of one group, from ``generator_id``."""
-    prompt_len, response_len, n = 4, 3, len(indices)
-    metas = [
-        TrajectoryMeta(group_id, index, prompt_len, response_len, 0.5, "stop", generator_id)
-        for index in indices
-    ]
-    arrays = {
-        "prompt_ids": np.ones(prompt_len * n, dtype=np.int32),
-        "response_ids": np.full(response_len * n, 4, dtype=np.int32),
-        "logprobs": np.full(response_len * n, -0.5, dtype=np.float32),
-        "token_versions": np.zeros(response_len * n, dtype=np.int32),
-        "loss_mask": np.ones(response_len * n, dtype=np.uint8),
-    }
-    return Trajectories(metas), arrays
-
-
-def send_group(sock: zmq.Socket, group_id: int, generator_id: str, indices=None) -> Ack:
-    reply = exchange(sock, *trajectories(group_id, indices or range(GROUP_SIZE), generator_id))
-    assert isinstance(reply, Ack), reply
-    return reply
 
 
 def wait_until(condition, while_waiting, timeout_s: float = 10.0) -> None:
@@ -129,7 +64,7 @@ def test_a_silent_generator_s_groups_go_to_another_and_its_late_samples_are_dupl
     grant = exchange(a, WorkRequest("gen-a", max_samples=BATCH))
     assert [item.group_id for item in grant.items] == [0, 1]
     started = time.monotonic()
-    assert send_group(a, 0, "gen-a", range(2)) == Ack(accepted=2)
+    assert send_samples(a, 0, range(2), "gen-a") == Ack(accepted=2)
 
     # gen-a goes silent; gen-b stays alive with heartbeats until gen-a is presumed dead
     wait_until(
@@ -145,16 +80,15 @@ def test_a_silent_generator_s_groups_go_to_another_and_its_late_samples_are_dupl
     assert [item.group_id for item in grant.items] == [0, 1]
 
     # gen-a was only slow: what it sends now is too late
-    late = send_group(a, 0, "gen-a", range(2, GROUP_SIZE))
-    late_whole = send_group(a, 1, "gen-a")
+    late = send_samples(a, 0, range(2, GROUP_SIZE), "gen-a")
+    late_whole = send_samples(a, 1, GROUP, "gen-a")
     assert late == Ack(accepted=0, rejected=2)
     assert late_whole == Ack(accepted=0, rejected=GROUP_SIZE)
     assert buffer.store.counters["dropped_duplicate"] == 2 + GROUP_SIZE
 
-    assert send_group(b, 0, "gen-b") == Ack(accepted=GROUP_SIZE)
-    assert send_group(b, 1, "gen-b") == Ack(accepted=GROUP_SIZE)
-    learner.send_multipart(encode(BatchRequest(policy_version=0)))
-    batch, _ = decode(learner.recv_multipart())
+    assert send_samples(b, 0, GROUP, "gen-b") == Ack(accepted=GROUP_SIZE)
+    assert send_samples(b, 1, GROUP, "gen-b") == Ack(accepted=GROUP_SIZE)
+    batch = exchange(learner, BatchRequest(policy_version=0))
 
     assert isinstance(batch, Trajectories)
     assert {(m.group_id, m.generator_id) for m in batch.samples} == {(0, "gen-b"), (1, "gen-b")}
@@ -167,7 +101,7 @@ def test_a_silent_generator_s_groups_go_to_another_and_its_late_samples_are_dupl
 def test_heartbeats_keep_a_busy_generator_s_groups(context):
     # a longer timeout than elsewhere: a 0.1s heartbeat must not miss it on a loaded machine
     timeout_s = 1.0
-    with running_buffer(make_config(f"buffer.heartbeat_timeout_s={timeout_s}")) as buffer:
+    with running_buffer(make_config(heartbeat_timeout_s=timeout_s)) as buffer:
         a = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
         grant = exchange(a, WorkRequest("gen-a", max_samples=BATCH))
         assert len(grant.items) == 2
@@ -205,7 +139,9 @@ def test_back_pressure_refuses_work_with_a_retry_hint_while_a_batch_is_still_ser
         learner = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
         grant = exchange(generator, WorkRequest("gen-a", max_samples=BATCH))
         for item in grant.items:
-            assert send_group(generator, item.group_id, "gen-a") == Ack(accepted=GROUP_SIZE)
+            assert send_samples(generator, item.group_id, GROUP, "gen-a") == Ack(
+                accepted=GROUP_SIZE
+            )
         assert buffer.store.held_samples() == 8
 
         refused = exchange(generator, WorkRequest("gen-a", max_samples=BATCH))
@@ -215,8 +151,7 @@ def test_back_pressure_refuses_work_with_a_retry_hint_while_a_batch_is_still_ser
         assert buffer.store.counters["dispatch_refused_backpressure"] == 1
         assert buffer.store.counters["dispatch_refused_admission"] == 0
 
-        learner.send_multipart(encode(BatchRequest(policy_version=0)))
-        batch, _ = decode(learner.recv_multipart())
+        batch = exchange(learner, BatchRequest(policy_version=0))
         assert isinstance(batch, Trajectories)
         assert len(batch.samples) == BATCH
         assert batch.stats["buffer_backpressure_refusals"] == 1.0
@@ -241,13 +176,13 @@ def test_a_joining_generator_learns_the_weights_port_and_is_listed_in_status(buf
 
 
 def test_a_generator_that_leaves_hands_its_groups_back_at_once(context):
-    config = make_config("buffer.heartbeat_timeout_s=60")  # expiry would take a minute
+    config = make_config(heartbeat_timeout_s=60)  # expiry would take a minute
     with running_buffer(config) as buffer:
         leaving = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
         staying = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
         grant = exchange(leaving, WorkRequest("gen-a", max_samples=BATCH))
         taken = sorted(item.group_id for item in grant.items)
-        send_group(leaving, taken[0], "gen-a", indices=range(1))  # one partial sample
+        send_samples(leaving, taken[0], range(1), "gen-a")  # one partial sample
         assert exchange(leaving, Leave("gen-a")) == Ack(accepted=len(taken))
         assert buffer.store.counters["requeued_groups"] == len(taken)
         regrant = exchange(staying, WorkRequest("gen-b", max_samples=BATCH))

@@ -9,20 +9,17 @@ the service stops. Ordering is asserted, not latency.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
-import numpy as np
 import pytest
 import zmq
-from running_buffer import RunningBuffer
+from buffer_wire import buffer_config, exchange, send_samples
+from running_buffer import RunningBuffer, running_buffer
 
 from asyncrl.buffer.service import busy_fraction
-from asyncrl.config import Config, load_config
 from asyncrl.messages import (
     Ack,
     BatchRequest,
@@ -31,63 +28,33 @@ from asyncrl.messages import (
     Status,
     StatusRequest,
     Trajectories,
-    TrajectoryMeta,
     WorkGrant,
     WorkRequest,
     decode,
     encode,
 )
-from asyncrl.transport import RequestClient, client_socket, free_port
+from asyncrl.transport import RequestClient, client_socket
 
 pytestmark = pytest.mark.timeout(60)
 
-QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 REPLY_TIMEOUT_S = 10.0
 GROUP_SIZE = 4
+GROUP = range(GROUP_SIZE)
+"""A whole group; sent with ``reward=float``, sample ``i`` scores ``i``."""
+ACCEPTED = Ack(accepted=GROUP_SIZE)
 BATCH = 2 * GROUP_SIZE
 LONG_WAIT_S = 30.0
 """A hold that outlasts any test: only work, Leave, a newer request or a stop end it."""
 
-
-def make_config(*overrides: str) -> Config:
-    """Synchronous admission (one batch of prompts per version) and a long heartbeat
-    timeout, so a held request is capped well beyond any test."""
-    return load_config(
-        QUICKSTART,
-        [
-            f"algorithm.group_size={GROUP_SIZE}",
-            "algorithm.prompts_per_step=2",
-            f"cluster.buffer_port={free_port()}",
-            f"cluster.weights_port={free_port()}",
-            "buffer.max_staleness=0",
-            "buffer.heartbeat_timeout_s=100",
-            "buffer.heartbeat_interval_s=0.1",
-            *overrides,
-        ],
-    )
-
-
-@contextlib.contextmanager
-def running_buffer(config: Config) -> Iterator[RunningBuffer]:
-    running = RunningBuffer(config).start()
-    try:
-        yield running
-    finally:
-        running.stop()
-    assert running.error is None, running.error
-
-
-@pytest.fixture
-def context():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-def exchange(sock: zmq.Socket, body, arrays=None):
-    sock.send_multipart(encode(body, arrays))
-    reply, _ = decode(sock.recv_multipart())
-    return reply
+make_config = functools.partial(
+    buffer_config,
+    "buffer.max_staleness=0",
+    group_size=GROUP_SIZE,
+    heartbeat_timeout_s=100,
+    heartbeat_interval_s=0.1,
+)
+"""Synchronous admission (one batch of prompts per version) and a long heartbeat
+timeout, so a held request is capped well beyond any test."""
 
 
 def receive(sock: zmq.Socket):
@@ -112,21 +79,6 @@ def held_now(sock: zmq.Socket, count: int) -> dict[str, float]:
     return stats
 
 
-def send_group(sock: zmq.Socket, group_id: int, generator_id: str, stats=None) -> None:
-    metas = [
-        TrajectoryMeta(group_id, i, 4, 3, float(i), "stop", generator_id) for i in range(GROUP_SIZE)
-    ]
-    arrays = {
-        "prompt_ids": np.ones(4 * GROUP_SIZE, dtype=np.int32),
-        "response_ids": np.full(3 * GROUP_SIZE, 4, dtype=np.int32),
-        "logprobs": np.full(3 * GROUP_SIZE, -0.5, dtype=np.float32),
-        "token_versions": np.zeros(3 * GROUP_SIZE, dtype=np.int32),
-        "loss_mask": np.ones(3 * GROUP_SIZE, dtype=np.uint8),
-    }
-    reply = exchange(sock, Trajectories(metas, stats or {}), arrays)
-    assert reply == Ack(accepted=GROUP_SIZE), reply
-
-
 def close_admission(sock: zmq.Socket) -> list[int]:
     """``gen-x`` takes the whole batch version 0 admits; returns its group ids."""
     grant = exchange(sock, WorkRequest("gen-x", max_samples=BATCH))
@@ -149,7 +101,7 @@ def test_a_held_request_is_answered_with_work_once_the_learner_s_next_step_admit
         learner = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
         observer = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
         for group_id in close_admission(taker):
-            send_group(taker, group_id, "gen-x")
+            assert send_samples(taker, group_id, GROUP, "gen-x", reward=float) == ACCEPTED
 
         a.send_multipart(encode(WorkRequest("gen-a", BATCH, wait_s=LONG_WAIT_S)))
         c.send_multipart(encode(WorkRequest("gen-c", BATCH, wait_s=LONG_WAIT_S)))
@@ -230,7 +182,7 @@ def test_a_generator_waiting_at_the_buffer_is_never_taken_for_silent(context):
     # a wait far beyond the 0.5 s timeout: the buffer cuts it, so the generator speaks
     # again before it could expire, and keeps the groups it was given
     timeout_s = 0.5
-    config = make_config(f"buffer.heartbeat_timeout_s={timeout_s}")
+    config = make_config(heartbeat_timeout_s=timeout_s)
     with running_buffer(config) as buffer:
         a = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
         taken = exchange(a, WorkRequest("gen-a", max_samples=BATCH))
@@ -269,7 +221,7 @@ def test_a_newer_request_of_the_same_generator_replaces_the_held_one(context):
         new = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
         learner = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
         for group_id in close_admission(taker):
-            send_group(taker, group_id, "gen-x")
+            assert send_samples(taker, group_id, GROUP, "gen-x", reward=float) == ACCEPTED
 
         old.send_multipart(encode(WorkRequest("gen-a", BATCH, wait_s=LONG_WAIT_S)))
         held_now(taker, 1)  # the first request is in
@@ -290,8 +242,14 @@ def test_generators_busy_fraction_reaches_the_learner_s_stats(context):
         learner = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
         assert ids(exchange(a, WorkRequest("gen-a", GROUP_SIZE))) == [0]
         assert ids(exchange(b, WorkRequest("gen-b", GROUP_SIZE))) == [1]
-        send_group(a, 0, "gen-a", {"busy_s": 3.0, "wall_s": 4.0})
-        send_group(b, 1, "gen-b", {"busy_s": 1.0, "wall_s": 4.0})
+        assert (
+            send_samples(a, 0, GROUP, "gen-a", reward=float, stats={"busy_s": 3.0, "wall_s": 4.0})
+            == ACCEPTED
+        )
+        assert (
+            send_samples(b, 1, GROUP, "gen-b", reward=float, stats={"busy_s": 1.0, "wall_s": 4.0})
+            == ACCEPTED
+        )
 
         batch = exchange(learner, BatchRequest(policy_version=0))
 
@@ -327,11 +285,11 @@ def replica_for(buffer: RunningBuffer, context: zmq.Context, generator_id: str =
 
 
 def test_an_idle_replica_waits_at_the_buffer_and_gets_work_when_the_learner_admits_it(context):
-    config = make_config("buffer.heartbeat_interval_s=20")  # the replica's wait_s
+    config = make_config(heartbeat_interval_s=20)  # the replica's wait_s
     with running_buffer(config) as buffer:
         taker = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
         for group_id in close_admission(taker):
-            send_group(taker, group_id, "gen-x")
+            assert send_samples(taker, group_id, GROUP, "gen-x", reward=float) == ACCEPTED
         replica = replica_for(buffer, context)
         assert replica.idle()
 
@@ -358,7 +316,7 @@ def test_an_idle_replica_waits_at_the_buffer_and_gets_work_when_the_learner_admi
 
 
 def test_a_replica_stopped_while_waiting_gives_up_the_request_and_still_leaves(context):
-    config = make_config("buffer.heartbeat_interval_s=20")
+    config = make_config(heartbeat_interval_s=20)
     with running_buffer(config) as buffer:
         taker = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
         close_admission(taker)
@@ -379,7 +337,7 @@ def test_a_replica_stopped_while_waiting_gives_up_the_request_and_still_leaves(c
 
 
 def test_a_busy_replica_does_not_ask_the_buffer_to_hold_its_request(context):
-    config = make_config("buffer.heartbeat_interval_s=20")
+    config = make_config(heartbeat_interval_s=20)
     with running_buffer(config) as buffer:
         taker = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
         close_admission(taker)

@@ -22,69 +22,30 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-import numpy as np
 import pytest
 import zmq
+from buffer_wire import buffer_config, exchange, send_samples
 
-from asyncrl.config import Config, load_config, save_config
+from asyncrl.config import Config, save_config
 from asyncrl.launch import Supervisor, make_run_dir
-from asyncrl.messages import (
-    Ack,
-    BatchRequest,
-    Heartbeat,
-    Trajectories,
-    TrajectoryMeta,
-    WorkGrant,
-    WorkRequest,
-    decode,
-    encode,
-)
-from asyncrl.transport import client_socket, free_port, tcp
+from asyncrl.messages import Ack, BatchRequest, Heartbeat, Trajectories, WorkGrant, WorkRequest
+from asyncrl.transport import client_socket, tcp
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
-QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 GROUP_SIZE = 4
 BATCH = 2 * GROUP_SIZE  # samples_per_step: two groups
 TIMEOUT_S = 1.0
 HEARTBEAT_S = 0.2
-REPLY_TIMEOUT_MS = 20_000  # the first request also waits for the buffer process to start
-REPLY_TIMEOUT_S = REPLY_TIMEOUT_MS / 1000
+REPLY_TIMEOUT_S = 20.0  # the first request also waits for the buffer process to start
 EVENT_TIMEOUT_S = 20.0
 SPAWN = multiprocessing.get_context("spawn")
+SAMPLE = {"prompt_len": 5, "response_len": 6, "reward": lambda i: 0.25 * i, "generate_time_s": 0.1}
+"""How the clients' samples look (``trajectories`` options)."""
 
 
 # --------------------------------------------------------------------------
 # client processes (module level: spawn imports this module in the child)
-
-
-def exchange(sock: zmq.Socket, body, arrays=None):
-    sock.send_multipart(encode(body, arrays))
-    reply, _ = decode(sock.recv_multipart())
-    return reply
-
-
-def trajectories(group_id: int, indices: list[int], generator_id: str):
-    """A Trajectories message of samples ``indices`` of one group, as a generator packs it."""
-    prompt_len, response_len, n = 5, 6, len(indices)
-    metas = [
-        TrajectoryMeta(group_id, i, prompt_len, response_len, 0.25 * i, "stop", generator_id, 0.1)
-        for i in indices
-    ]
-    arrays = {
-        "prompt_ids": np.arange(prompt_len * n, dtype=np.int32),
-        "response_ids": np.full(response_len * n, 7, dtype=np.int32),
-        "logprobs": np.full(response_len * n, -0.7, dtype=np.float32),
-        "token_versions": np.zeros(response_len * n, dtype=np.int32),
-        "loss_mask": np.ones(response_len * n, dtype=np.uint8),
-    }
-    return Trajectories(metas), arrays
-
-
-def send(sock: zmq.Socket, group_id: int, indices: list[int], generator_id: str) -> Ack:
-    ack = exchange(sock, *trajectories(group_id, indices, generator_id))
-    assert isinstance(ack, Ack), ack
-    return ack
 
 
 def item_key(item) -> tuple:
@@ -103,15 +64,16 @@ def stalling_generator(endpoint: str, generator_id: str, conn: Connection) -> No
     assert isinstance(grant, WorkGrant), grant
     groups = [item.group_id for item in grant.items]
     half = list(range(GROUP_SIZE // 2))
-    ack = send(sock, groups[0], half, generator_id)
+    ack = send_samples(sock, groups[0], half, generator_id, **SAMPLE)
     conn.send(("granted", time.monotonic(), [item_key(i) for i in grant.items], ack))
     while True:
         if conn.poll(HEARTBEAT_S):
             assert conn.recv() == "send_rest"
             rest = list(range(GROUP_SIZE // 2, GROUP_SIZE))
-            late = [send(sock, groups[0], rest, generator_id)]
+            late = [send_samples(sock, groups[0], rest, generator_id, **SAMPLE)]
             late += [
-                send(sock, group, list(range(GROUP_SIZE)), generator_id) for group in groups[1:]
+                send_samples(sock, group, range(GROUP_SIZE), generator_id, **SAMPLE)
+                for group in groups[1:]
             ]
             conn.send(("late", time.monotonic(), late))
             return
@@ -132,7 +94,7 @@ def steady_generator(endpoint: str, generator_id: str, conn: Connection, groups:
             continue
         conn.send(("granted", time.monotonic(), [item_key(i) for i in grant.items]))
         for item in grant.items:
-            ack = send(sock, item.group_id, list(range(item.num_samples)), generator_id)
+            ack = send_samples(sock, item.group_id, range(item.num_samples), generator_id, **SAMPLE)
             conn.send(("ack", time.monotonic(), item.group_id, ack))
             finished += 1
     conn.send(("done", time.monotonic()))
@@ -152,7 +114,7 @@ def fast_sender(endpoint: str, generator_id: str, conn: Connection) -> None:
             continue
         conn.send(("granted", time.monotonic(), [item_key(i) for i in grant.items]))
         for item in grant.items:
-            ack = send(sock, item.group_id, list(range(item.num_samples)), generator_id)
+            ack = send_samples(sock, item.group_id, range(item.num_samples), generator_id, **SAMPLE)
             conn.send(("ack", time.monotonic(), item.group_id, ack))
     assert conn.recv() == "stop"
     conn.send(("stopped", time.monotonic()))
@@ -160,22 +122,6 @@ def fast_sender(endpoint: str, generator_id: str, conn: Connection) -> None:
 
 # --------------------------------------------------------------------------
 # the test side
-
-
-def make_config(*overrides: str) -> Config:
-    return load_config(
-        QUICKSTART,
-        [
-            f"algorithm.group_size={GROUP_SIZE}",
-            "algorithm.prompts_per_step=2",
-            f"cluster.buffer_port={free_port()}",
-            f"cluster.weights_port={free_port()}",
-            f"buffer.heartbeat_timeout_s={TIMEOUT_S}",
-            f"buffer.heartbeat_interval_s={HEARTBEAT_S}",
-            "tracking.aim=false",
-            *overrides,
-        ],
-    )
 
 
 class Run:
@@ -204,8 +150,7 @@ class Run:
     def batch(self) -> tuple[Trajectories, float]:
         """The learner asks for a batch at version 0; the batch and how long it took."""
         start = time.monotonic()
-        self.learner.send_multipart(encode(BatchRequest(policy_version=0)))
-        batch, _ = decode(self.learner.recv_multipart())
+        batch = exchange(self.learner, BatchRequest(policy_version=0))
         assert isinstance(batch, Trajectories), batch
         return batch, time.monotonic() - start
 
@@ -226,7 +171,14 @@ class Run:
 
 @contextlib.contextmanager
 def buffer_run(tmp_path: Path, *overrides: str) -> Iterator[Run]:
-    run = Run(make_config(*overrides), tmp_path / "run")
+    config = buffer_config(
+        "tracking.aim=false",
+        *overrides,
+        group_size=GROUP_SIZE,
+        heartbeat_timeout_s=TIMEOUT_S,
+        heartbeat_interval_s=HEARTBEAT_S,
+    )
+    run = Run(config, tmp_path / "run")
     try:
         run.supervisor.start("buffer", "buffer")
         yield run

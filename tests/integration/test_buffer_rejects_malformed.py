@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 import msgspec
-import numpy as np
 import pytest
 import zmq
-from running_buffer import RunningBuffer
+from buffer_wire import RESPONSE_LEN, buffer_config, exchange_frames, trajectories
+from running_buffer import running_buffer
 
-from asyncrl.config import load_config
 from asyncrl.messages import (
     SCHEMA_VERSION,
     Ack,
@@ -19,50 +17,40 @@ from asyncrl.messages import (
     BatchRequest,
     ErrorReply,
     Trajectories,
-    TrajectoryMeta,
     WorkGrant,
     WorkRequest,
     decode,
     encode,
     encode_raw,
 )
-from asyncrl.transport import client_socket, free_port
+from asyncrl.transport import client_socket
 
 pytestmark = pytest.mark.timeout(60)
 
-QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
-REPLY_TIMEOUT_MS = 5000
+REPLY_TIMEOUT_S = 5.0
 GROUP_SIZE = 4
+GENERATOR = "gen-test"
 
 
 @pytest.fixture
 def buffer():
-    config = load_config(
-        QUICKSTART,
-        [
-            f"algorithm.group_size={GROUP_SIZE}",
-            "algorithm.prompts_per_step=2",
-            f"cluster.buffer_port={free_port()}",
-        ],
-    )
-    running = RunningBuffer(config).start()
-    yield running
-    running.stop()
+    with running_buffer(buffer_config(group_size=GROUP_SIZE)) as running:
+        yield running
 
 
 @pytest.fixture
 def client(buffer):
     context = zmq.Context()
-    sock = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_MS / 1000)
+    sock = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
     yield sock
     sock.close(linger=0)
     context.term()
 
 
-def exchange(sock: zmq.Socket, frames) -> object:
-    """Send one multipart message and return the decoded reply body."""
-    sock.send_multipart(frames)
-    reply, arrays = decode(sock.recv_multipart())
+def reply_to(sock: zmq.Socket, frames) -> object:
+    """Send one multipart message and return the reply's body: a reply to a generator
+    never carries arrays."""
+    reply, arrays = exchange_frames(sock, frames)
     assert arrays == {}
     return reply
 
@@ -73,31 +61,8 @@ def raw_header(body: dict, arrays: list | None = None) -> bytes:
     )
 
 
-def trajectory_parts(group_id: int, num_samples: int):
-    """Body and arrays of ``num_samples`` well-formed samples of one group."""
-    prompt_len, response_len = 4, 3
-    metas = [
-        TrajectoryMeta(group_id, index, prompt_len, response_len, 0.5, "stop", "gen-test")
-        for index in range(num_samples)
-    ]
-    total = response_len * num_samples
-    arrays = {
-        "prompt_ids": np.ones(prompt_len * num_samples, dtype=np.int32),
-        "response_ids": np.full(total, 4, dtype=np.int32),
-        "logprobs": np.full(total, -0.5, dtype=np.float32),
-        "token_versions": np.zeros(total, dtype=np.int32),
-        "loss_mask": np.ones(total, dtype=np.uint8),
-    }
-    return Trajectories(metas), arrays
-
-
-def trajectories_for(group_id: int, num_samples: int) -> list:
-    """A well-formed Trajectories message: ``num_samples`` samples of one group."""
-    return encode(*trajectory_parts(group_id, num_samples))
-
-
 def assert_still_grants_work(sock: zmq.Socket) -> WorkGrant:
-    reply = exchange(sock, encode(WorkRequest("gen-test", max_samples=2 * GROUP_SIZE)))
+    reply = reply_to(sock, encode(WorkRequest(GENERATOR, max_samples=2 * GROUP_SIZE)))
     assert isinstance(reply, WorkGrant)
     assert len(reply.items) == 2
     assert all(item.num_samples == GROUP_SIZE and item.prompt_ids for item in reply.items)
@@ -108,13 +73,13 @@ def assert_still_grants_work(sock: zmq.Socket) -> WorkGrant:
 
 
 def test_malformed_messages_get_error_replies_are_counted_and_serving_continues(buffer, client):
-    body_frames = trajectories_for(group_id=0, num_samples=2)
+    body_frames = encode(*trajectories(0, range(2), GENERATOR))
     truncated = [bytes(frame) for frame in body_frames]
     truncated[-1] = truncated[-1][:-1]
 
-    garbage = exchange(client, [b"\xc1 definitely not msgpack"])
-    unknown = exchange(client, [raw_header({"type": "launch_missiles"})])
-    short = exchange(client, truncated)
+    garbage = reply_to(client, [b"\xc1 definitely not msgpack"])
+    unknown = reply_to(client, [raw_header({"type": "launch_missiles"})])
+    short = reply_to(client, truncated)
 
     assert isinstance(garbage, ErrorReply) and garbage.reason == "bad_header"
     assert isinstance(unknown, ErrorReply) and unknown.reason == "unknown_type"
@@ -126,7 +91,7 @@ def test_malformed_messages_get_error_replies_are_counted_and_serving_continues(
 
 
 def test_a_message_type_the_buffer_does_not_serve_is_answered_with_an_error(buffer, client):
-    reply = exchange(client, encode(Ack(accepted=1)))
+    reply = reply_to(client, encode(Ack(accepted=1)))
 
     assert isinstance(reply, ErrorReply)
     assert reply.reason == "unexpected_type"
@@ -136,12 +101,12 @@ def test_a_message_type_the_buffer_does_not_serve_is_answered_with_an_error(buff
 
 def test_trajectories_whose_arrays_disagree_with_their_metas_are_rejected(buffer, client):
     grant = assert_still_grants_work(client)
-    body, arrays = trajectory_parts(grant.items[0].group_id, GROUP_SIZE)
+    body, arrays = trajectories(grant.items[0].group_id, range(GROUP_SIZE), GENERATOR)
     # One prompt token short: the frame matches its own header, but not the metas.
     arrays["prompt_ids"] = arrays["prompt_ids"][:-1]
     frames = encode(body, arrays)
 
-    reply = exchange(client, frames)
+    reply = reply_to(client, frames)
 
     assert isinstance(reply, ErrorReply)
     assert reply.reason == "bad_array"
@@ -152,7 +117,7 @@ def test_trajectories_whose_arrays_disagree_with_their_metas_are_rejected(buffer
 def test_trajectories_for_a_group_never_dispatched_are_acked_as_rejected_and_dropped(
     buffer, client
 ):
-    reply = exchange(client, trajectories_for(group_id=12345, num_samples=3))
+    reply = reply_to(client, encode(*trajectories(12345, range(3), GENERATOR)))
 
     assert reply == Ack(accepted=0, rejected=3)
     assert buffer.store.counters["dropped_unknown_group"] == 3
@@ -163,7 +128,9 @@ def test_trajectories_for_a_group_never_dispatched_are_acked_as_rejected_and_dro
 def test_trajectories_for_a_dispatched_group_are_accepted(buffer, client):
     grant = assert_still_grants_work(client)
 
-    reply = exchange(client, trajectories_for(grant.items[0].group_id, GROUP_SIZE))
+    reply = reply_to(
+        client, encode(*trajectories(grant.items[0].group_id, range(GROUP_SIZE), GENERATOR))
+    )
 
     assert reply == Ack(accepted=GROUP_SIZE, rejected=0)
     assert buffer.store.counters["accepted"] == GROUP_SIZE
@@ -171,12 +138,14 @@ def test_trajectories_for_a_dispatched_group_are_accepted(buffer, client):
 
 
 def test_a_waiting_learner_gets_its_batch_once_enough_groups_arrive(buffer, client):
-    learner = client_socket(client.context, buffer.endpoint, REPLY_TIMEOUT_MS / 1000)
+    learner = client_socket(client.context, buffer.endpoint, REPLY_TIMEOUT_S)
     try:
         learner.send_multipart(encode(BatchRequest(policy_version=0)))
         grant = assert_still_grants_work(client)
         for item in grant.items:
-            reply = exchange(client, trajectories_for(item.group_id, GROUP_SIZE))
+            reply = reply_to(
+                client, encode(*trajectories(item.group_id, range(GROUP_SIZE), GENERATOR))
+            )
             assert reply == Ack(accepted=GROUP_SIZE, rejected=0)
 
         batch, arrays = decode(learner.recv_multipart())
@@ -185,13 +154,13 @@ def test_a_waiting_learner_gets_its_batch_once_enough_groups_arrive(buffer, clie
 
     assert isinstance(batch, Trajectories)
     assert len(batch.samples) == 2 * GROUP_SIZE
-    assert arrays["response_ids"].numpy().size == 3 * 2 * GROUP_SIZE
+    assert arrays["response_ids"].numpy().size == RESPONSE_LEN * 2 * GROUP_SIZE
     assert batch.stats["buffer_held"] == 0.0
 
 
 def test_an_array_shape_that_overflows_is_rejected_and_serving_continues(buffer, client):
     grant = assert_still_grants_work(client)
-    body, arrays = trajectory_parts(grant.items[0].group_id, 1)
+    body, arrays = trajectories(grant.items[0].group_id, range(1), GENERATOR)
     # 2**32 * 2**32 int32 elements: the byte count wraps to 0 in int64, matching b"".
     specs = [ArraySpec("prompt_ids", "int32", (2**32, 2**32))]
     frames = [b""]
@@ -201,7 +170,7 @@ def test_an_array_shape_that_overflows_is_rejected_and_serving_continues(buffer,
     client.setsockopt(zmq.RCVTIMEO, 1000)
 
     try:
-        reply = exchange(client, encode_raw(body, specs, frames))
+        reply = reply_to(client, encode_raw(body, specs, frames))
     except zmq.Again:
         reply = None
 
