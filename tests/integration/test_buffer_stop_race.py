@@ -12,29 +12,26 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import zmq
-from running_buffer import RunningBuffer
+from buffer_wire import buffer_config, exchange, send_samples
+from running_buffer import running_buffer
 
-from asyncrl.config import load_config
 from asyncrl.messages import (
     Ack,
     BatchRequest,
     SaveBufferState,
     Trajectories,
-    TrajectoryMeta,
     WorkGrant,
     WorkRequest,
     decode,
     encode,
 )
 from asyncrl.paths import BUFFER_STATE, checkpoint_dir
-from asyncrl.transport import client_socket, free_port
+from asyncrl.transport import client_socket
 
 pytestmark = pytest.mark.timeout(60)
 
-QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 GROUP_SIZE = 4
 PROMPTS_PER_STEP = 2
 REPLY_TIMEOUT_MS = 5000
@@ -42,37 +39,17 @@ REPLY_TIMEOUT_MS = 5000
 
 @pytest.fixture
 def buffer(tmp_path: Path):
-    config = load_config(
-        QUICKSTART,
-        [
-            f"algorithm.group_size={GROUP_SIZE}",
-            f"algorithm.prompts_per_step={PROMPTS_PER_STEP}",
-            f"cluster.buffer_port={free_port()}",
-            f"cluster.weights_port={free_port()}",
-        ],
-    )
-    running = RunningBuffer(config)
-    running.start()
-    running.service.run_dir = tmp_path  # where SaveBufferState writes
-    try:
+    config = buffer_config(group_size=GROUP_SIZE, prompts_per_step=PROMPTS_PER_STEP)
+    with running_buffer(config) as running:
+        running.service.run_dir = tmp_path  # where SaveBufferState writes
         yield running
-    finally:
-        running.stop()
-    assert running.error is None, running.error
 
 
 @pytest.fixture
-def sockets(buffer: RunningBuffer):
-    context = zmq.Context()
+def sockets(buffer, context: zmq.Context):
     generator = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_MS / 1000)
     learner = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_MS / 1000)
-    yield generator, learner
-    context.destroy(linger=0)
-
-
-def exchange(sock: zmq.Socket, body, arrays=None):
-    sock.send_multipart(encode(body, arrays))
-    return decode(sock.recv_multipart())[0]
+    return generator, learner
 
 
 def deliver_groups(generator: zmq.Socket, count: int) -> list[int]:
@@ -80,18 +57,8 @@ def deliver_groups(generator: zmq.Socket, count: int) -> list[int]:
     grant = exchange(generator, WorkRequest("gen-0", count * GROUP_SIZE))
     assert isinstance(grant, WorkGrant) and len(grant.items) == count
     for item in grant.items:
-        metas = [
-            TrajectoryMeta(item.group_id, i, 2, 3, 0.5, "stop", "gen-0") for i in range(GROUP_SIZE)
-        ]
-        arrays = {
-            "prompt_ids": np.ones(2 * GROUP_SIZE, dtype=np.int32),
-            "response_ids": np.full(3 * GROUP_SIZE, 4, dtype=np.int32),
-            "logprobs": np.full(3 * GROUP_SIZE, -0.5, dtype=np.float32),
-            "token_versions": np.zeros(3 * GROUP_SIZE, dtype=np.int32),
-            "loss_mask": np.ones(3 * GROUP_SIZE, dtype=np.uint8),
-        }
-        ack = exchange(generator, Trajectories(metas), arrays)
-        assert isinstance(ack, Ack) and ack.accepted == GROUP_SIZE
+        ack = send_samples(generator, item.group_id, range(GROUP_SIZE), "gen-0")
+        assert ack.accepted == GROUP_SIZE
     return [item.group_id for item in grant.items]
 
 
@@ -100,7 +67,7 @@ def saved_state(run_dir: Path, step: int) -> dict:
 
 
 def test_a_batch_served_after_the_learner_gave_up_is_unfinished_in_the_checkpoint(
-    buffer: RunningBuffer, sockets, tmp_path: Path
+    buffer, sockets, tmp_path: Path
 ) -> None:
     generator, learner = sockets
     learner.send_multipart(encode(BatchRequest(policy_version=0)))  # then the learner stops
@@ -119,7 +86,7 @@ def test_a_batch_served_after_the_learner_gave_up_is_unfinished_in_the_checkpoin
 
 
 def test_a_batch_request_the_learner_gave_up_on_is_cancelled_before_it_is_answered(
-    buffer: RunningBuffer, sockets, tmp_path: Path
+    buffer, sockets, tmp_path: Path
 ) -> None:
     generator, learner = sockets
     learner.send_multipart(encode(BatchRequest(policy_version=0)))  # nothing to serve yet
@@ -134,7 +101,7 @@ def test_a_batch_request_the_learner_gave_up_on_is_cancelled_before_it_is_answer
 
 
 def test_a_plain_save_keeps_a_served_batch_out_of_the_unfinished_groups(
-    buffer: RunningBuffer, sockets, tmp_path: Path
+    buffer, sockets, tmp_path: Path
 ) -> None:
     generator, learner = sockets
     deliver_groups(generator, PROMPTS_PER_STEP)
