@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import msgspec
 import numpy as np
@@ -27,6 +27,12 @@ import numpy as np
 SCHEMA_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 31
 """Default ceiling on one message (header plus frames); receivers may lower it."""
+
+
+EvalRound = Annotated[int, msgspec.Meta(ge=-1)]
+"""An eval round's number, or -1 (the default): training work. Anything below -1 is
+rejected when decoded (``bad_header``)."""
+NOT_EVAL = -1
 
 
 class WireError(ValueError):
@@ -80,6 +86,9 @@ class WorkItem(msgspec.Struct, forbid_unknown_fields=True):
     messages: list[dict] = msgspec.field(default_factory=list)
     """The row's prompt as chat messages; sent only when an environment renders its
     own prompt from them (``environment`` set), else empty."""
+    eval_round: EvalRound = NOT_EVAL
+    """The held-out evaluation round this prompt belongs to (its samples are measured,
+    never trained on), or -1: a training prompt. Eval prompts have negative group ids."""
 
 
 class WorkGrant(_Body, tag="work_grant"):
@@ -107,6 +116,8 @@ class TrajectoryMeta(msgspec.Struct, forbid_unknown_fields=True):
     generate_time_s: float = 0.0
     reward_error: str = ""
     """Why the reward is 0 when scoring failed (``error:timeout``, ...); empty if it did not."""
+    eval_round: EvalRound = NOT_EVAL
+    """The eval round of the WorkItem it was generated for; -1: a training sample."""
 
 
 class Trajectories(_Body, tag="trajectories"):
@@ -195,6 +206,20 @@ class BatchRequest(_Body, tag="batch_request"):
     """The learner at ``policy_version`` asks for its next batch (answered when ready)."""
 
     policy_version: int
+
+
+class StartEval(_Body, tag="start_eval"):
+    """The learner published ``policy_version``: evaluate it on the held-out prompts.
+
+    ``StartEval(round=3, policy_version=30)``. The buffer hands the round's prompts out
+    before new training prompts, and its results ride along with a later batch's
+    ``stats`` (``eval_*``). Answered with ``Ack(accepted=1)``, or ``Ack(accepted=0)``
+    when the round is not started: an earlier round is still running (counted as
+    skipped), or this round was started already.
+    """
+
+    round: Annotated[int, msgspec.Meta(ge=0)]
+    policy_version: Annotated[int, msgspec.Meta(ge=0)]
 
 
 class SaveBufferState(_Body, tag="save_buffer_state"):
@@ -325,6 +350,7 @@ Message = (
     | StatusRequest
     | Status
     | BatchRequest
+    | StartEval
     | SaveBufferState
     | ErrorReply
     | WeightsRequest
