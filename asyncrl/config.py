@@ -83,6 +83,29 @@ class DataConfig(_Section):
     """Visit the prompts in a fresh order each epoch, seeded by `run.seed` and the epoch."""
 
 
+class EvalConfig(_Section):
+    """Held-out evaluation during training, run by the generators (docs/evaluation.md)."""
+
+    every_steps: int = Field(0, ge=0)
+    """Evaluate the policy every this many learner steps, right after publishing its
+    weights; 0: no evaluation. A multiple of `learner.sync_interval`."""
+    files: list[str] = []
+    """Parquet or JSONL files of held-out prompts in the verl layout (like
+    `data.train_files`); empty: held-out prompts of the built-in `task`, which
+    training never draws."""
+    max_prompts: int = Field(64, ge=1)
+    """Prompts per round: a fixed sample of `files` (drawn with `run.seed`), the same
+    in every round; all of them if there are fewer."""
+    samples_per_prompt: int = Field(1, ge=1)
+    """Samples generated per prompt, with the run's sampling settings."""
+    before_training: bool = False
+    """Also evaluate the initial policy (a round at version 0)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps > 0
+
+
 class RewardConfig(_Section):
     """How samples are scored (see :mod:`asyncrl.rewards`)."""
 
@@ -359,6 +382,7 @@ class Config(_Section):
     model: ModelConfig
     task: TaskConfig = TaskConfig()
     data: DataConfig = DataConfig()
+    eval: EvalConfig = EvalConfig()
     reward: RewardConfig = RewardConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     buffer: BufferConfig = BufferConfig()
@@ -388,6 +412,41 @@ class Config(_Section):
                 f"{self.algorithm.samples_per_step} samples of a batch "
                 "(algorithm.group_size * algorithm.prompts_per_step)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _eval_can_run(self) -> Config:
+        evaluation = self.eval
+        if not evaluation.enabled:
+            return self
+        if evaluation.every_steps % self.learner.sync_interval:
+            raise ValueError(
+                f"eval.every_steps={evaluation.every_steps} must be a multiple of "
+                f"learner.sync_interval={self.learner.sync_interval}: a round evaluates "
+                "weights the generators have, and only every sync_interval-th version is published"
+            )
+        if self.data.train_files and not evaluation.files:
+            raise ValueError(
+                "eval.files is empty but data.train_files is set: name held-out prompt files "
+                "(e.g. the test split) in eval.files; the built-in task's prompts would not "
+                "measure this run"
+            )
+        if not evaluation.files:
+            space = 10**self.task.num_digits
+            if evaluation.max_prompts > space // 2:
+                raise ValueError(
+                    f"eval.max_prompts={evaluation.max_prompts} is more than half of the "
+                    f"{space} prompts of task.num_digits={self.task.num_digits}: training "
+                    "never draws eval prompts, so it would have too few left; lower "
+                    "eval.max_prompts or raise task.num_digits"
+                )
+        for pool in self.generators.resolved_pools():
+            if evaluation.samples_per_prompt > pool.settings.max_active_samples:
+                raise ValueError(
+                    f"eval.samples_per_prompt={evaluation.samples_per_prompt} is more than "
+                    f"generators.max_active_samples={pool.settings.max_active_samples} (pool "
+                    f"{pool.name!r}): an eval prompt's samples go to one replica together"
+                )
         return self
 
 

@@ -9,11 +9,17 @@ updates, which is what a quickstart needs.
 
 Prompts are a pure function of (seed, index): the buffer's dataset cursor is
 just an integer, so a resumed run neither repeats nor skips one.
+
+Held-out evaluation (``eval:``, :func:`eval_work_items`) draws its prompts from
+another stream (:func:`eval_digits`), and training then redraws any prompt that
+is one of them, so the two never share a prompt: with 3 digits there are only
+1000, and a training run sees most of them.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,6 +27,7 @@ if TYPE_CHECKING:  # imported lazily: reward worker processes import this module
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
     from asyncrl.config import Config, TaskConfig
+    from asyncrl.messages import WorkItem
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
 CHARACTERS = list("0123456789=+-*/ ")
@@ -49,17 +56,30 @@ class Prompt:
 
 
 class DigitsTask:
-    """Prompt ``index`` is drawn from its own seeded RNG: random access, no state."""
+    """Prompt ``index`` is drawn from its own seeded RNG: random access, no state.
+
+    ``exclude``: digit strings never drawn (the held-out eval prompts); a draw that
+    hits one is drawn again from the same RNG, so prompts stay a function of the index.
+    """
 
     data_source = "synthetic/digits"
 
-    def __init__(self, config: TaskConfig, seed: int):
+    def __init__(self, config: TaskConfig, seed: int | str, exclude: Collection[str] = ()):
         self.config = config
         self.seed = seed
+        self.exclude = frozenset(exclude)
+        if len(self.exclude) >= 10**config.num_digits:
+            raise ValueError(f"every {config.num_digits}-digit prompt is excluded")
 
     def prompt(self, index: int) -> Prompt:
         rng = random.Random(f"{self.seed}:{index}")
-        digits = "".join(rng.choice("0123456789") for _ in range(self.config.num_digits))
+        while True:
+            digits = "".join(rng.choice("0123456789") for _ in range(self.config.num_digits))
+            if digits not in self.exclude:
+                break
+        return self.make_prompt(index, digits)
+
+    def make_prompt(self, index: int, digits: str) -> Prompt:
         answer = "".join(str((int(d) + self.config.shift) % 10) for d in digits)
         return Prompt(index, f"{digits}=", answer, self.data_source)
 
@@ -76,12 +96,91 @@ def digits_score(data_source: str, solution_str: str, ground_truth: str, extra_i
     return hits / max(len(response), len(ground_truth))
 
 
+def eval_digits(config: Config) -> list[str]:
+    """The built-in task's held-out prompts (digit strings): ``eval.max_prompts`` distinct
+    ones from a stream seeded apart from training's, in a fixed order."""
+    rng = random.Random(f"eval:{config.run.seed}")
+    count = min(config.eval.max_prompts, 10**config.task.num_digits // 2)
+    chosen: dict[str, None] = {}  # insertion-ordered set
+    while len(chosen) < count:
+        chosen["".join(rng.choice("0123456789") for _ in range(config.task.num_digits))] = None
+    return list(chosen)
+
+
+def eval_group_id(position: int) -> int:
+    """The group id of eval prompt ``position``: negative, so never a training group's."""
+    return -1 - position
+
+
+def eval_work_items(config: Config) -> list[WorkItem]:
+    """The held-out prompts of every eval round, in order (empty when ``eval`` is off).
+
+    Each is a group of ``eval.samples_per_prompt`` samples with group id
+    :func:`eval_group_id`; the buffer tags a round's copies with its number. From
+    ``eval.files``: a fixed sample of ``eval.max_prompts`` rows drawn with
+    ``run.seed``; otherwise the built-in task's held-out prompts (:func:`eval_digits`).
+    """
+    from asyncrl.messages import WorkItem
+
+    evaluation = config.eval
+    if not evaluation.enabled:
+        return []
+    samples = evaluation.samples_per_prompt
+    with_messages = config.environment is not None
+    if evaluation.files:
+        from asyncrl.data import PromptDataset
+        from asyncrl.rewards import check_reward_sources
+
+        dataset = PromptDataset(
+            evaluation.files,
+            prompt_tokenizer(config),
+            max_prompt_tokens=config.data.max_prompt_tokens,
+            shuffle=True,
+            seed=config.run.seed,
+        )
+        check_reward_sources(config.reward.function, dataset.data_sources)
+        items = []
+        for position in range(min(evaluation.max_prompts, len(dataset))):
+            row = dataset[position]  # epoch 0: distinct rows, a seeded permutation
+            items.append(
+                WorkItem(
+                    eval_group_id(position),
+                    samples,
+                    row.prompt_ids,
+                    row.ground_truth,
+                    row.data_source,
+                    extra_info=row.extra_info,
+                    messages=row.messages if with_messages else [],
+                )
+            )
+        return items
+    tokenizer = build_tokenizer()
+    task = DigitsTask(config.task, config.run.seed)
+    items = []
+    for position, digits in enumerate(eval_digits(config)):
+        prompt = task.make_prompt(eval_group_id(position), digits)
+        messages = [{"role": "user", "content": prompt.text}] if with_messages else []
+        ids = task.encode_prompt(prompt, tokenizer)
+        items.append(
+            WorkItem(
+                eval_group_id(position),
+                samples,
+                ids,
+                prompt.ground_truth,
+                prompt.data_source,
+                messages=messages,
+            )
+        )
+    return items
+
+
 def work_item_factory(config: Config):
     """``index -> WorkItem``: prompt ``index``, tokenized, as one group.
 
     With ``data.train_files`` set, prompts come from those files
     (:class:`asyncrl.data.PromptDataset`, rendered with the model's chat template);
-    otherwise from the built-in task.
+    otherwise from the built-in task, never one of its held-out eval prompts when
+    ``eval`` is on.
     """
     from asyncrl.messages import WorkItem
 
@@ -115,7 +214,8 @@ def work_item_factory(config: Config):
         return make_row_item
 
     tokenizer = build_tokenizer()
-    task = DigitsTask(config.task, config.run.seed)
+    held_out = eval_digits(config) if config.eval.enabled and not config.eval.files else []
+    task = DigitsTask(config.task, config.run.seed, exclude=held_out)
 
     def make_item(index: int) -> WorkItem:
         prompt = task.prompt(index)
