@@ -20,7 +20,13 @@ which dispatch could have changed its answer (a new policy version, freed
 admission budget, requeued groups, back-pressure lifted) the held requests
 are tried again in arrival order, and one still empty at its deadline is
 answered with an empty grant. So an idle replica gets work the moment the
-learner admits it, instead of after a ``RETRY_AFTER_S`` poll interval.
+learner admits it, instead of after a ``RETRY_AFTER_S`` poll interval; an eval
+round starting (``StartEval``) counts as such a change, so held replicas get
+its prompts at once.
+
+The learner starts held-out eval rounds with ``StartEval``; a finished round's
+``eval_*`` results ride along with the next batch's ``stats``
+(:mod:`asyncrl.buffer.evaluation`).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import math
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +58,7 @@ from asyncrl.messages import (
     Joined,
     Leave,
     SaveBufferState,
+    StartEval,
     Status,
     StatusRequest,
     Trajectories,
@@ -232,6 +239,21 @@ class BufferService:
                 self.store.set_policy_version(version)
                 self.pending_batch = identity
                 await self._serve_pending()
+            case StartEval(round=number, policy_version=version):
+                if not self.store.evaluation.enabled:
+                    raise WireError("bad_field", "this run has no eval prompts (eval is off)")
+                latest = self.store.evaluation.last_started
+                started = self.store.start_eval(number, version, now)
+                if started:
+                    log.info("eval round %d of version %d started", number, version)
+                elif number > latest:
+                    log.warning(
+                        "eval round %d of version %d skipped: round %d is still running",
+                        number,
+                        version,
+                        latest,
+                    )
+                await self._reply(identity, Ack(accepted=int(started)))
             case SaveBufferState(step=step, abandoned_batch_request=abandoned):
                 if abandoned:
                     self._take_back_batch(identity)
@@ -254,11 +276,19 @@ class BufferService:
         """What a refused dispatch depends on: held requests are tried again when it changes.
 
         Admission (the version, the samples started), the requeued groups
-        waiting (a new one, or one taken that blocked new prompts) and back-pressure.
+        waiting (a new one, or one taken that blocked new prompts), back-pressure,
+        and the eval round (one starting, or its groups handed back).
         """
         store = self.store
         requeued = (len(store.requeue), store.counters["requeued_groups"])
-        return (store.policy_version, store.started_samples, requeued, store.backpressured())
+        evaluation = store.evaluation.dispatch_state()
+        return (
+            store.policy_version,
+            store.started_samples,
+            requeued,
+            store.backpressured(),
+            evaluation,
+        )
 
     async def _serve_held(self, now: float) -> None:
         """Answer held requests that dispatch can now serve, and those past their deadline."""
@@ -347,6 +377,7 @@ class BufferService:
         stats |= generators_summary(self.generator_stats)
         stats |= busy_fraction(self.generator_stats, self.store.last_seen)
         stats |= pools_summary(self.generator_stats, self.generator_pools)
+        stats |= self.store.batch_eval_results  # a finished eval round's, once
         metas, arrays = join_samples(batch)
         await self._reply(self.pending_batch, Trajectories(metas, stats), arrays)
         self.pending_batch = None
@@ -455,8 +486,17 @@ def join_samples(samples: list[Sample]) -> tuple[list[TrajectoryMeta], dict[str,
 # process entry
 
 
-def build_store(config: Config, make_item: Callable[[int], WorkItem]) -> BufferStore:
-    """The store a run's ``buffer`` section describes, handing out ``make_item(index)``."""
+def build_store(
+    config: Config,
+    make_item: Callable[[int], WorkItem],
+    eval_items: Sequence[WorkItem] | None = None,
+) -> BufferStore:
+    """The store a run's ``buffer`` section describes, handing out ``make_item(index)``;
+    eval rounds run on ``eval_items`` (None: the ``eval`` section's prompts)."""
+    if eval_items is None:
+        from asyncrl.tasks import eval_work_items
+
+        eval_items = eval_work_items(config)
     buffer = config.buffer
     return BufferStore(
         make_item=make_item,
@@ -469,6 +509,7 @@ def build_store(config: Config, make_item: Callable[[int], WorkItem]) -> BufferS
         filter_truncated=buffer.filter_truncated,
         max_held_samples=buffer.max_held_samples,
         max_held_bytes=buffer.max_held_bytes,
+        eval_items=eval_items,
     )
 
 
@@ -485,6 +526,13 @@ def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
             resume_from,
             store.cursor,
             len(store.requeue),
+        )
+    if store.evaluation.enabled:
+        log.info(
+            "eval rounds: %d held-out prompts x %d samples, every %d steps",
+            len(store.evaluation.items),
+            config.eval.samples_per_prompt,
+            config.eval.every_steps,
         )
     endpoint = tcp(config.cluster.bind_address, config.cluster.buffer_port)
     service = BufferService(config, store, endpoint, run_dir)

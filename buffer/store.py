@@ -68,19 +68,28 @@ Every sample that leaves other than by ``take_batch`` is counted in
 Prompts are a pure function of an integer index (the dataset cursor), and the
 group id of a prompt is its index, so a group is identified across restarts,
 and a group id below the cursor that is not in flight was dispatched before.
+
+Held-out evaluation rounds (:mod:`asyncrl.buffer.evaluation`) share dispatch
+and liveness with training but none of its accounting: their groups (negative
+ids, samples tagged with ``eval_round``) go out after requeued training groups
+and before new prompts, even under admission control or back-pressure (they
+add nothing the learner must take), are requeued when their generator is
+forgotten, and are never ready, evicted or served. The invariants above count
+training samples and groups only.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 
-from asyncrl.messages import TrajectoryMeta, WorkItem
+from asyncrl.buffer.evaluation import EvalRounds
+from asyncrl.messages import NOT_EVAL, TrajectoryMeta, WorkItem
 
 MIB = 1 << 20
 UNVERSIONED = 1 << 62
@@ -161,6 +170,7 @@ class BufferStore:
         filter_truncated: bool = False,
         max_held_samples: int = 0,
         max_held_bytes: int = 256 * MIB,
+        eval_items: Sequence[WorkItem] = (),
     ):
         self.make_item = make_item
         self.samples_per_step = samples_per_step
@@ -195,6 +205,10 @@ class BufferStore:
         """Accepted samples per second between the last two ``stats(now)`` calls."""
         self._rate_mark: tuple[float, int] | None = None
         """(time, accepted) where the current ingest-rate interval started."""
+        self.evaluation = EvalRounds(eval_items)
+        """Held-out eval rounds on ``eval_items`` (none: evaluation is off)."""
+        self.batch_eval_results: dict[str, float] = {}
+        """The eval results handed over with the last batch served (empty: none)."""
 
     # ---------------------------------------------------------------- liveness
 
@@ -229,12 +243,13 @@ class BufferStore:
         return self._forget(generator_id)
 
     def _forget(self, generator_id: str) -> int:
-        """Stop tracking ``generator_id`` and requeue its unfinished groups; how many."""
+        """Stop tracking ``generator_id`` and requeue its unfinished groups (eval groups
+        too); how many."""
         self.last_seen.pop(generator_id, None)
         groups = [g for g in self.in_flight.values() if g.generator_id == generator_id]
         for group in groups:
             self._requeue(group)
-        return len(groups)
+        return len(groups) + self.evaluation.forget(generator_id)
 
     def _requeue(self, group: Group) -> None:
         del self.in_flight[group.item.group_id]
@@ -250,22 +265,25 @@ class BufferStore:
     def dispatch(
         self, generator_id: str, max_samples: int, now: float | None = None
     ) -> list[WorkItem]:
-        """Hand out whole groups that fit in ``max_samples``: requeued ones, then new prompts.
+        """Hand out whole groups that fit in ``max_samples``: requeued ones, then the
+        running eval round's, then new prompts (only once neither kind waits).
 
-        Under back-pressure nothing is handed out. Asking counts as a heartbeat
-        when ``now`` is given.
+        Under back-pressure only eval groups are handed out. Asking counts as a
+        heartbeat when ``now`` is given.
         """
         if now is not None:
             self.heartbeat(generator_id, now)
-        if self.backpressured():
+        backpressured = self.backpressured()
+        if backpressured:
             self.counters["dispatch_refused_backpressure"] += 1
-            return []
-        items = self._dispatch_requeued(generator_id, max_samples)
-        if not self.requeue:
-            budget = max_samples - sum(item.num_samples for item in items)
-            items += self._dispatch_new(generator_id, budget)
-        self.counters["dispatched_groups"] += len(items)
-        return items
+        requeued = [] if backpressured else self._dispatch_requeued(generator_id, max_samples)
+        budget = max_samples - sum(item.num_samples for item in requeued)
+        evaluation = self.evaluation.dispatch(generator_id, budget)
+        budget -= sum(item.num_samples for item in evaluation)
+        blocked = backpressured or self.requeue or self.evaluation.waiting()
+        new = [] if blocked else self._dispatch_new(generator_id, budget)
+        self.counters["dispatched_groups"] += len(requeued) + len(new)
+        return requeued + evaluation + new
 
     def _dispatch_requeued(self, generator_id: str, budget: int) -> list[WorkItem]:
         """Requeued groups in order; no admission check, their samples are already started."""
@@ -312,7 +330,8 @@ class BufferStore:
     # ------------------------------------------------------------------ ingest
 
     def ingest(self, samples: list[Sample], now: float | None = None) -> int:
-        """Accept samples of groups in flight; drop (and count) anything else. Returns accepted.
+        """Accept samples of groups in flight; drop (and count) anything else. Returns accepted
+        (eval samples included; ``counters["accepted"]`` counts training samples only).
 
         With ``now``, each sender counts as alive (before its samples are
         judged, so a generator on the brink of expiry keeps its groups).
@@ -320,8 +339,11 @@ class BufferStore:
         if now is not None:
             for generator_id in sorted({s.meta.generator_id for s in samples}):
                 self.heartbeat(generator_id, now)
-        accepted = 0
+        accepted = evaluated = 0
         for sample in samples:
+            if sample.meta.eval_round != NOT_EVAL:
+                evaluated += self.evaluation.ingest(sample.meta, sample.token_versions, now)
+                continue
             reason = self._rejection(sample)
             if reason is not None:
                 self.counters[reason] += 1
@@ -335,7 +357,7 @@ class BufferStore:
             if group.complete:
                 self._complete(group)
         self.counters["accepted"] += accepted
-        return accepted
+        return accepted + evaluated
 
     def _rejection(self, sample: Sample) -> str | None:
         """Why ``sample`` cannot be accepted, as a counter name, or None."""
@@ -376,6 +398,12 @@ class BufferStore:
     def set_policy_version(self, version: int) -> None:
         self.policy_version = max(self.policy_version, version)
 
+    def start_eval(self, number: int, policy_version: int, now: float | None = None) -> bool:
+        """Start eval round ``number`` of the learner's ``policy_version``; False when it is
+        not (a round is still running: counted as skipped; or it started already)."""
+        self.set_policy_version(policy_version)
+        return self.evaluation.start(number, policy_version, now)
+
     def evict_stale(self) -> None:
         """Drop ready groups that are already too stale for the current version.
 
@@ -409,6 +437,7 @@ class BufferStore:
         for group in taken:
             self._after_serving(group)
         self.last_batch = taken
+        self.batch_eval_results = self.evaluation.next_results()
         self.ready.sort(key=lambda g: g.version)
         self.served_staleness = staleness
         self.counters["served"] += len(batch)
@@ -442,6 +471,8 @@ class BufferStore:
         self.counters["served"] -= returned
         self.counters["returned_unconsumed"] += returned
         self.last_batch = []
+        self.evaluation.give_back(self.batch_eval_results)  # its eval results were not logged
+        self.batch_eval_results = {}
         return returned
 
     # -------------------------------------------------------------- durability
@@ -452,7 +483,9 @@ class BufferStore:
         Groups in flight, waiting to be requeued, or complete but never served are
         "unfinished": a run resumed from this checkpoint hands them out again
         before any new prompt, so no prompt is skipped, and since prompts come
-        from the cursor, none below it is handed out twice.
+        from the cursor, none below it is handed out twice. Eval rounds are not kept:
+        one unfinished at the checkpoint is dropped, and the resumed learner starts the
+        next one when it is due.
         """
         unfinished = [*self.in_flight, *(item.group_id for item in self.requeue)]
         unfinished += [group.item.group_id for group in self.ready if not group.times_served]
@@ -538,7 +571,7 @@ class BufferStore:
                 c["dropped_stale_response_tokens"], c["dropped_stale"]
             ),
         }
-        return stats | self._staleness_histogram()
+        return stats | self._staleness_histogram() | self.evaluation.stats()
 
     def _staleness_histogram(self) -> dict[str, float]:
         """``buffer_staleness_j``: samples of staleness j in the last batch, j = 0..k."""
