@@ -22,6 +22,11 @@ answers the moment work is admitted, so new prompts, and the weights fetched
 just before the next chunk, follow a learner step without a poll interval.
 It reports ``busy_s`` (generating and loading weights) and ``wall_s`` with its
 trajectories, so the run's metrics show how busy the replicas are.
+
+Prompts of a held-out eval round (``WorkItem.eval_round``, negative group ids)
+are generated like any other, in chunks, across weight loads, one turn or a
+multi-turn episode, scored by the same reward path, and sent back tagged with
+their round (``TrajectoryMeta.eval_round``); the buffer keeps them out of training.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from asyncrl.envs.formatting import FORMATTERS
 from asyncrl.generators.backend import Backend, Rollout, build_backend
 from asyncrl.generators.episodes import Episodes
 from asyncrl.messages import (
+    NOT_EVAL,
     Ack,
     Heartbeat,
     Join,
@@ -97,6 +103,7 @@ class GeneratorReplica:
         self.stats = {"samples_sent": 0, "weight_swaps": 0, "weight_swap_latency_s": 0.0}
         self.stats["weight_load_s"] = 0.0
         self.stats["reward_errors"] = 0
+        self.stats["eval_samples_sent"] = 0
         self.stats["busy_s"] = 0.0  # generating chunks, fetching and loading weights
         self.stats["wall_s"] = 0.0  # since run_loop started, as of the latest send
         self.started_at = time.monotonic()
@@ -106,6 +113,9 @@ class GeneratorReplica:
         """Finished samples waiting for their reward."""
         self.extra_info: dict[int, list] = {}
         """group_id -> [its WorkItem's extra_info, samples not yet scored], when not empty."""
+        self.eval_rounds: dict[int, int] = {}
+        """Eval group id -> the round it was last handed out in (at most one entry per
+        eval prompt; training group ids are never negative, so never here)."""
         self.episodes: Episodes | None = None
         """Multi-turn episodes, when ``environment`` is configured (their reward is the
         environment's, not the reward function's)."""
@@ -214,6 +224,8 @@ class GeneratorReplica:
             return None
         now = time.time()
         for item in grant.items:
+            if item.eval_round != NOT_EVAL:
+                self.eval_rounds[item.group_id] = item.eval_round
             if self.episodes is not None:
                 for index in range(item.num_samples):
                     rollout = self.episodes.start(item, index, now)
@@ -324,6 +336,8 @@ class GeneratorReplica:
         metas = []
         for r, (reward, error, _) in zip(rollouts, scores, strict=True):
             self.stats["reward_errors"] += error is not None
+            eval_round = self.eval_rounds.get(r.group_id, NOT_EVAL)
+            self.stats["eval_samples_sent"] += eval_round != NOT_EVAL
             metas.append(
                 TrajectoryMeta(
                     r.group_id,
@@ -335,6 +349,7 @@ class GeneratorReplica:
                     self.generator_id,
                     now - r.started_at,
                     reward_error=error or "",
+                    eval_round=eval_round,
                 )
             )
         arrays = {
