@@ -20,6 +20,15 @@ rank then agrees to stop (:func:`stop_agreed`), the last complete step is
 checkpointed with the buffer's state unless it already is, and the process
 exits 0. Each step's group ids go to ``RUN_DIR/trained_groups.jsonl``, so
 which prompts were trained can be checked across restarts.
+
+Held-out evaluation (``eval:``) never stops the loop: right after publishing
+version ``V`` with ``V % eval.every_steps == 0`` (and at ``V = 0`` with
+``eval.before_training``, and at the version a resumed run starts from when
+one is due there), rank 0 tells the buffer to start round
+``V // eval.every_steps`` (:class:`StartEval`). The generators do the work; the
+round's ``eval_*`` results arrive with a later batch's buffer stats and are
+logged at that step. No round starts at ``run.total_steps``: no batch would
+carry its results.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from asyncrl.learner import checkpoint, distributed, sharding
 from asyncrl.learner.batch import TrainBatch, collate
 from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.update import Update
-from asyncrl.messages import Ack, BatchRequest, SaveBufferState, Trajectories
+from asyncrl.messages import Ack, BatchRequest, SaveBufferState, StartEval, Trajectories
 from asyncrl.models import build_policy
 from asyncrl.paths import checkpoint_dir
 from asyncrl.security import client_context, curve_keys
@@ -58,6 +67,8 @@ STOP_POLL_S = 0.2
 """While rank 0 waits for a batch, how often it checks whether it was asked to stop."""
 FINAL_SAVE_TIMEOUT_S = 5.0
 """How long the checkpoint written on a stop waits for the buffer's part of it."""
+START_EVAL_TIMEOUT_S = 30.0
+"""How long starting an eval round waits for the buffer's answer (it answers at once)."""
 TRAINED_GROUPS = "trained_groups.jsonl"
 """One line per step: ``{"step": 4, "version": 5, "group_ids": [...]}`` (steps as in
 metrics.jsonl). After a resume, the last line of a step is the one that counts."""
@@ -100,6 +111,15 @@ class BufferClient:
         if not isinstance(reply, Trajectories):
             raise RuntimeError(f"buffer answered a batch request with {reply!r}")
         return collate(reply.samples, arrays, self.pad_id), reply.stats
+
+    def start_eval(self, number: int, policy_version: int) -> bool:
+        """Start eval round ``number`` of ``policy_version``; False if the buffer did not
+        (an earlier round is still running: skipped and counted there)."""
+        request = StartEval(round=number, policy_version=policy_version)
+        reply, _ = self.client.request(request, timeout_s=START_EVAL_TIMEOUT_S)
+        if not isinstance(reply, Ack):
+            raise RuntimeError(f"buffer answered {request!r} with {reply!r}")
+        return bool(reply.accepted)
 
     def save_state(self, step: int, timeout_s: float | None = None) -> None:
         request = SaveBufferState(step, abandoned_batch_request=self.abandoned)
@@ -240,6 +260,8 @@ def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
         cleanup.callback(distributed.shutdown)
         main = _MainRank(config, run_dir, learner, cleanup) if ranks.is_main else None
         publish(learner, main)
+        if main and (eval_due(config, learner.version) or before_training(config, learner)):
+            main.start_eval(learner.version)
         checkpointed = learner.step
         while learner.step < config.run.total_steps:
             waited = time.perf_counter()
@@ -258,6 +280,8 @@ def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
             stall = 0.0
             if learner.version % config.learner.sync_interval == 0:
                 stall = publish(learner, main)
+                if main and eval_due(config, learner.version):
+                    main.start_eval(learner.version)
             if main:
                 main.log(batch, consumed_version, metrics | buffer_stats, wait_s, update_s, stall)
             if (
@@ -274,6 +298,19 @@ def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
         if main is not None:
             log.info("trained %d steps; saving the final policy", learner.step)
         learner.save_pretrained(run_dir / "final")
+
+
+def eval_due(config: Config, version: int) -> bool:
+    """An eval round starts once ``version`` is published: every ``eval.every_steps``
+    versions, not at 0 (see ``eval.before_training``) nor at the last, whose round no
+    batch would report."""
+    every = config.eval.every_steps
+    return bool(every) and 0 < version < config.run.total_steps and version % every == 0
+
+
+def before_training(config: Config, learner: Learner) -> bool:
+    """A round of the initial policy, when ``eval.before_training`` asks for one."""
+    return config.eval.enabled and config.eval.before_training and learner.version == 0
 
 
 def publish(learner: Learner, main: _MainRank | None) -> float:
@@ -329,8 +366,22 @@ class _MainRank:
         cleanup.callback(self.trained_groups.close)
         self.samples_total = 0
         self.wait_total = 0.0
+        self.eval_every = config.eval.every_steps
         self.started = time.perf_counter()
         self.first_step = learner.step
+
+    def start_eval(self, version: int) -> None:
+        """Ask the buffer to evaluate ``version`` (round ``version // eval.every_steps``)."""
+        number = version // self.eval_every
+        if self.buffer.start_eval(number, version):
+            log.info("eval round %d started for version %d", number, version)
+        else:
+            log.warning(
+                "eval round %d (version %d) skipped: the previous round is still running; "
+                "raise eval.every_steps or lower eval.max_prompts",
+                number,
+                version,
+            )
 
     def generations(self, batch: TrainBatch) -> list[dict[str, object]]:
         """The first samples of the first groups of ``batch``, decoded, for aim."""
@@ -371,6 +422,14 @@ class _MainRank:
         record = {"step": version, "version": version + 1, "group_ids": groups}
         self.trained_groups.write(json.dumps(record) + "\n")
         self.trained_groups.flush()
+        if "eval_reward_mean" in metrics:
+            log.info(
+                "eval round %d (version %d): reward %.3f over %d samples",
+                metrics["eval_round"],
+                metrics["eval_policy_version"],
+                metrics["eval_reward_mean"],
+                metrics["eval_samples"],
+            )
         self.tracker.log_generations(version, self.generations(batch))
         self.tracker.log(
             version,
