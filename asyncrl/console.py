@@ -12,6 +12,9 @@ Two views with one interface (``update``, ``note``, ``close``), chosen by
 
       step   12/600  v12    reward 0.063  staleness 1.00/1  samples/s 1949.1  wait 32%
 
+  With ``eval`` on, once a round has reported, the line ends with the latest
+  held-out reward and the version it measured: ``  eval 0.412 @v10``.
+
 Events (a generator restarted, the run stopping) go through ``note`` in both.
 """
 
@@ -76,15 +79,29 @@ class MetricsFollower:
         return records
 
 
-def step_line(record: dict, total_steps: int) -> str:
-    """The plain view's line for one learner step (its format is an interface: keep it)."""
+def step_line(record: dict, total_steps: int, latest_eval: dict | None = None) -> str:
+    """The plain view's line for one learner step (its format is an interface: keep it;
+    the eval part is only ever appended)."""
     m = record
-    return (
+    line = (
         f"step {m['step'] + 1:>4}/{total_steps}  v{m['version']:<4}  "
         f"reward {m['reward_mean']:.3f}  "
         f"staleness {m['staleness_mean']:.2f}/{m['staleness_max']:.0f}  "
         f"samples/s {m['samples_per_s']:.1f}  wait {m['learner_wait_frac']:.0%}"
     )
+    if latest_eval is not None:
+        line += f"  eval {eval_text(latest_eval)}"
+    return line
+
+
+def eval_text(record: dict) -> str:
+    """``0.412 @v10``: a round's held-out reward and the version it evaluated."""
+    return f"{record['eval_reward_mean']:.3f} @v{record['eval_policy_version']:.0f}"
+
+
+def has_eval(record: dict) -> bool:
+    """Whether ``record`` (a metrics.jsonl line) reports an eval round."""
+    return record.get("eval_reward_mean") is not None
 
 
 class RunConsole(Protocol):
@@ -107,10 +124,13 @@ class PlainConsole:
         self.total_steps = total_steps
         self.out = out
         self.err = err
+        self.latest_eval: dict | None = None
 
     def update(self, health: list[ReplicaHealth]) -> None:
         for record in self.follower.poll():
-            self.out.write(step_line(record, self.total_steps) + "\n")
+            if has_eval(record):
+                self.latest_eval = record
+            self.out.write(step_line(record, self.total_steps, self.latest_eval) + "\n")
         self.out.flush()
 
     def note(self, message: str, error: bool = False) -> None:
@@ -131,6 +151,7 @@ class LiveConsole:
         self.title = f"asyncrl · {config.run.name} · {run_dir}"
         self.held_limit = config.buffer.max_held_samples or 4 * config.algorithm.samples_per_step
         self.last: dict | None = None
+        self.latest_eval: dict | None = None
         self.health: list[ReplicaHealth] = []
         self.progress = Progress(
             TextColumn("step"),
@@ -153,6 +174,9 @@ class LiveConsole:
         if records:
             self.progress.update(self.task, completed=records[-1]["step"] + 1)
             self.last = records[-1]
+        for record in records:
+            if has_eval(record):
+                self.latest_eval = record
         self.health = health
         self.live.update(self.render())
 
@@ -185,6 +209,8 @@ class LiveConsole:
             "learner wait", f"{m['learner_wait_frac']:.0%}",
             "buffer", f"{held:.0f}/{self.held_limit} samples ({held / self.held_limit:.0%})",
         )  # fmt: skip
+        if self.latest_eval is not None:
+            table.add_row("eval reward", eval_text(self.latest_eval))
         return table
 
     def pools(self) -> Table:

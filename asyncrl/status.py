@@ -110,6 +110,15 @@ def show(run_dir: Path, console: Console | None = None) -> int:
             )
         console.print(generators)
 
+    evaluated = [record for record in metrics if record.get("eval_reward_mean") is not None]
+    if evaluated:
+        e = evaluated[-1]
+        console.print(
+            f"latest eval: round {e['eval_round']:.0f} of version {e['eval_policy_version']:.0f}, "
+            f"reward {e['eval_reward_mean']:.3f} over {e['eval_samples']:.0f} held-out samples "
+            f"(logged at step {e['step'] + 1})"
+        )
+
     if metrics:
         recent = Table(
             "step", "version", "reward", "staleness mean/max", "samples/s", title="recent steps"

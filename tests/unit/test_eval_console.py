@@ -1,0 +1,69 @@
+"""The latest held-out eval reward in the launcher's console and in `asyncrl status`."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from rich.console import Console
+
+from asyncrl.config import load_config, save_config
+from asyncrl.console import LiveConsole, PlainConsole
+from asyncrl.status import show
+
+
+def record(step: int, eval_reward: float | None = None) -> dict:
+    line = {
+        "step": step, "version": step + 1, "reward_mean": 0.5, "staleness_mean": 1.0,
+        "staleness_max": 1, "samples_per_s": 100.0, "learner_wait_frac": 0.25,
+        "buffer_held": 0.0, "eval_rounds_skipped_total": 0.0,
+    }  # fmt: skip
+    if eval_reward is not None:
+        line |= {
+            "eval_round": 2.0, "eval_policy_version": 10.0, "eval_reward_mean": eval_reward,
+            "eval_samples": 64.0,
+        }  # fmt: skip
+    return line
+
+
+def append(path, *records: dict) -> None:
+    with path.open("a") as file:
+        file.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def test_the_plain_line_ends_with_the_latest_eval_once_there_is_one(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("")
+    out = io.StringIO()
+    console = PlainConsole(path, 20, out=out)
+    append(path, record(0), record(1, eval_reward=0.4123), record(2))
+    console.update([])
+    lines = out.getvalue().splitlines()
+    assert lines[0].endswith("wait 25%")  # no round reported yet: the line as always
+    assert lines[1].endswith("wait 25%  eval 0.412 @v10")
+    assert lines[2].endswith("eval 0.412 @v10")  # the latest, until the next round
+
+
+def test_the_live_panel_shows_the_latest_eval(tmp_path):
+    config = load_config(None, ["model.tiny.hidden_size=64", "algorithm.prompts_per_step=8"])
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("")
+    live = LiveConsole(path, config, tmp_path)
+    live.live.stop()
+    append(path, record(0, eval_reward=0.25), record(1))
+    live.update([])
+    out = io.StringIO()
+    Console(file=out, width=120).print(live.render())
+    assert "eval reward 0.250 @v10" in " ".join(out.getvalue().split())
+
+
+def test_status_shows_the_latest_eval_round(tmp_path):
+    config = load_config(None, ["model.tiny.hidden_size=64", "eval.every_steps=5"])
+    save_config(config, tmp_path / "config.yaml")
+    append(tmp_path / "metrics.jsonl", record(0, eval_reward=0.125), record(1))
+    out = io.StringIO()
+    assert show(tmp_path, Console(file=out, width=200)) == 0
+    assert (
+        "latest eval: round 2 of version 10, reward 0.125 over 64 held-out samples "
+        "(logged at step 1)"
+    ) in out.getvalue()
