@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from test_data import chat_tokenizer, row, write_jsonl
 
@@ -134,3 +136,11 @@ def test_eval_prompts_from_files_are_a_fixed_sample_of_distinct_rows(tmp_path):
     # more prompts asked for than the files hold: all of them, once each
     config.eval.max_prompts = 50
     assert sorted(item.ground_truth for item in eval_work_items(config)) == list("012345")
+
+
+def test_the_gsm8k_config_evaluates_on_the_test_split_the_converter_writes():
+    config = load_config(Path(__file__).resolve().parents[2] / "configs" / "gsm8k_grpo.yaml")
+    assert config.data.train_files == ["data/gsm8k/train.parquet"]
+    assert config.eval.files == ["data/gsm8k/test.parquet"]  # examples/data/gsm8k.py's test split
+    assert config.eval.enabled and config.eval.before_training
+    assert config.eval.every_steps < config.run.total_steps
