@@ -312,3 +312,19 @@ def test_version_range_is_unknown_when_no_sample_has_a_model_token():
     store.ingest(whole(store.dispatch("gen-0", 1)[0], versions=[-1]))
     results = store.evaluation.next_results()
     assert math.isnan(results["eval_version_min"]) and math.isnan(results["eval_version_max"])
+
+
+def test_a_running_round_is_not_durable_and_a_resumed_store_can_run_it_again():
+    store = eval_store(count=2, max_staleness=3)
+    assert store.start_eval(1, policy_version=4)
+    items = store.dispatch("gen-0", 6, now=0.0)
+    assert ids(items) == [-1, -2, 0]
+    store.ingest([eval_sample(items[0], 0)])  # the round is half done
+    state = store.durable_state()
+    assert state["unfinished_groups"] == [0]  # training groups only
+    resumed = eval_store(count=2, max_staleness=3)
+    resumed.restore(state)
+    assert resumed.evaluation.current is None  # the unfinished round is dropped
+    assert ids(resumed.dispatch("gen-1", 2, now=1.0)) == [0]
+    assert resumed.start_eval(1, policy_version=4)  # the learner starts it again
+    assert ids(resumed.dispatch("gen-1", 4, now=1.0)) == [-1, -2]
