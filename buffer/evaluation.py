@@ -36,6 +36,9 @@ import numpy as np
 
 from asyncrl.messages import NOT_EVAL, TrajectoryMeta, WorkItem
 
+_NAN = float("nan")
+"""A figure with nothing to measure: ``null`` in metrics.jsonl."""
+
 
 @dataclass(frozen=True)
 class EvalOutcome:
@@ -253,8 +256,8 @@ def round_results(current: EvalRound, elapsed_s: float | None = None) -> dict[st
         "eval_response_len_mean": _mean([float(o.response_len) for o in outcomes]),
         "eval_finish_length_frac": _mean([float(o.truncated) for o in outcomes]),
         "eval_reward_errors": float(sum(o.reward_error for o in outcomes)),
-        "eval_version_min": float(min(o.version_min for o in versions)) if versions else np.nan,
-        "eval_version_max": float(max(o.version_max for o in versions)) if versions else np.nan,
+        "eval_version_min": float(min(o.version_min for o in versions)) if versions else _NAN,
+        "eval_version_max": float(max(o.version_max for o in versions)) if versions else _NAN,
     }
     if elapsed_s is not None:
         results["eval_duration_s"] = elapsed_s
@@ -274,4 +277,4 @@ def _order(item: WorkItem) -> int:
 
 
 def _mean(values: list[float]) -> float:
-    return float(sum(values) / len(values)) if values else float("nan")
+    return float(sum(values) / len(values)) if values else _NAN
