@@ -18,7 +18,18 @@ from typing import Any
 
 log = logging.getLogger("asyncrl.tracking")
 
-NAMESPACES = ("buffer", "learner", "generator", "reward", "staleness", "importance", "time", "loss")
+NAMESPACES = (
+    "buffer",
+    "learner",
+    "generator",
+    "generators",
+    "reward",
+    "staleness",
+    "importance",
+    "time",
+    "loss",
+    "eval",
+)
 
 
 def aim_name(key: str) -> str:

@@ -12,6 +12,8 @@ from asyncrl.tracking import NullAim, Tracker, aim_name
 def test_aim_names_are_namespaced_by_their_first_word_only_for_known_namespaces():
     assert aim_name("buffer_dropped_stale") == "buffer/dropped_stale"
     assert aim_name("reward_mean") == "reward/mean"
+    assert aim_name("eval_reward_mean") == "eval/reward_mean"
+    assert aim_name("generators_busy_fraction") == "generators/busy_fraction"
     assert aim_name("samples_total") == "samples_total"
     assert aim_name("version") == "version"
 
