@@ -117,8 +117,8 @@ class GeneratorReplica:
         """Eval group id -> the round it was last handed out in (at most one entry per
         eval prompt; training group ids are never negative, so never here)."""
         self.episodes: Episodes | None = None
-        """Multi-turn episodes, when ``environment`` is configured (their reward is the
-        environment's, not the reward function's)."""
+        """Multi-turn episodes, when ``environment`` is configured: the environment gives
+        their reward, its named reward function scored by this replica's ``scorer``."""
         if config.environment is not None:
             self.episodes = Episodes(
                 config.environment,
