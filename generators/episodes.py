@@ -52,7 +52,7 @@ from typing import Any
 
 from asyncrl.envs.base import ScoreRequest
 from asyncrl.envs.config import EnvironmentConfig, environment_factory
-from asyncrl.envs.formatting import FORMATTERS, Codec
+from asyncrl.envs.formatting import Codec, build_formatter
 from asyncrl.envs.rollout import ENV_VERSION, EpisodeRunner
 from asyncrl.envs.threads import Job, StepPool
 from asyncrl.generators.backend import Rollout
@@ -112,7 +112,7 @@ class Episodes:
         self.max_prompt_tokens = max_prompt_tokens
         self.make_environment = environment_factory(config, defer_score=scorer is not None)
         self.codec = Codec.from_hf(tokenizer)
-        self.formatter = FORMATTERS[config.formatter]()
+        self.formatter = build_formatter(config.formatter, tokenizer)
         self.max_tokens_per_turn = max_tokens_per_turn
         self.running: dict[int, _Episode] = {}  # id(rollout) -> its episode
         self.stepping: list[_Episode] = []

@@ -30,9 +30,12 @@ class EnvironmentConfig(BaseModel):
     """Wall-clock limit of one `python` tool call."""
     python_memory_mb: int = Field(512, ge=16)
     """Address-space limit of one `python` tool call."""
-    formatter: Literal["chatml", "plain"] = "chatml"
-    """How turns are rendered to text: `chatml` (Qwen, `<|im_start|>role ... <|im_end|>`)
-    or `plain` (`role: text` lines, for the tiny built-in tokenizer)."""
+    formatter: Literal["chatml", "plain", "template", "auto"] = "chatml"
+    """How turns are rendered to text: `template` (the model's own chat template, each
+    reply the template's delta after the model's turn), `chatml` (Qwen/Hermes ChatML
+    written out, `<|im_start|>role ... <|im_end|>`), `plain` (`role: text` lines, for the
+    tiny built-in tokenizer), or `auto` (`template` when the tokenizer has a chat
+    template, else `chatml`)."""
     workers: int = Field(4, ge=1)
     """Threads per generator that step environments (run tools), off the generation loop."""
     step_timeout_s: float = Field(60, gt=0)
