@@ -47,7 +47,7 @@ import torch
 import zmq
 
 from asyncrl.config import Config
-from asyncrl.envs.formatting import FORMATTERS
+from asyncrl.envs.formatting import build_formatter
 from asyncrl.generators.backend import Backend, Rollout, build_backend
 from asyncrl.generators.episodes import Episodes
 from asyncrl.messages import (
@@ -437,13 +437,13 @@ def serve(
     """Build the backend, join the run at ``buffer_endpoint``, generate until stopped,
     then leave (so the buffer hands this replica's unfinished groups out at once)."""
     config = pool_config(config, pool)
-    if config.environment is not None:  # a model turn ends at the turn marker
-        end_of_turn = FORMATTERS[config.environment.formatter]().end_of_turn
-        stop = [*config.generators.stop, end_of_turn]
-        generators = config.generators.model_copy(update={"stop": stop})
-        config = config.model_copy(update={"generators": generators})
     torch.set_num_threads(config.generators.num_threads)
     model, tokenizer = build_policy(config.model, config.run.seed)
+    if config.environment is not None:  # a model turn ends at the turn marker
+        formatter = build_formatter(config.environment.formatter, tokenizer)
+        stop = [*config.generators.stop, formatter.end_of_turn]
+        generators = config.generators.model_copy(update={"stop": stop})
+        config = config.model_copy(update={"generators": generators})
     torch.manual_seed(seed)
     context = client_context(config.cluster)
     replica = None
