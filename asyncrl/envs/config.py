@@ -30,7 +30,7 @@ class EnvironmentConfig(BaseModel):
     """Wall-clock limit of one `python` tool call."""
     python_memory_mb: int = Field(512, ge=16)
     """Address-space limit of one `python` tool call."""
-    formatter: Literal["chatml", "plain", "template", "auto"] = "chatml"
+    formatter: Literal["chatml", "plain", "template", "auto"] = "auto"
     """How turns are rendered to text: `template` (the model's own chat template, each
     reply the template's delta after the model's turn), `chatml` (Qwen/Hermes ChatML
     written out, `<|im_start|>role ... <|im_end|>`), `plain` (`role: text` lines, for the

@@ -49,7 +49,7 @@ def test_tool_calling_runs_the_python_tool_multi_turn():
     environment = config.environment
     assert environment is not None and environment.name == "tools"
     assert environment.tools == ["python"] and environment.max_turns > 1
-    assert environment.formatter == "chatml"  # Qwen's template
+    assert environment.formatter == "template"  # Qwen's own chat template
     assert environment.max_total_tokens > config.data.max_prompt_tokens
     env = environment_factory(environment)()
     assert isinstance(env, ToolEnvironment) and list(env.tools) == ["python"]
