@@ -124,7 +124,9 @@ class StopStrings:
     Only a window at the end of the response is decoded after each token (long
     enough for the longest stop string however the tokenizer splits it), so the
     check costs the same at token 10 and token 10,000. A stop string that spans
-    chunks is found like any other.
+    chunks is found like any other. Special tokens are decoded too: a turn marker
+    that is one (Llama-3's ``<|eot_id|>``, Gemma's ``<end_of_turn>``) must end the
+    turn even when it is not the tokenizer's EOS.
     """
 
     def __init__(self, tokenizer, stop: list[str]):
@@ -140,13 +142,13 @@ class StopStrings:
         if not self.stop:
             return False
         tail = response_ids[-self.window :]
-        text = self.tokenizer.decode(tail, skip_special_tokens=True)
+        text = self.tokenizer.decode(tail, skip_special_tokens=False)
         if not any(s in text for s in self.stop):
             return False
         # Did the last token add an occurrence? Counting (not just testing) matters when
         # earlier text in the window already holds one: an environment's reply in a
         # multi-turn episode ends with the turn marker the model is asked to stop at.
-        before = self.tokenizer.decode(tail[:-1], skip_special_tokens=True)
+        before = self.tokenizer.decode(tail[:-1], skip_special_tokens=False)
         return any(text.count(s) > before.count(s) for s in self.stop)
 
 

@@ -86,6 +86,17 @@ def test_stop_strings_that_were_already_there_are_not_matched_again():
     assert not StopStrings(TOKENIZER, []).completed_by_last_token(ids("7"))
 
 
+def test_a_stop_string_that_is_a_special_token_ends_the_response():
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|eot|>"]})
+    eot = tokenizer.convert_tokens_to_ids("<|eot|>")
+    assert eot != tokenizer.eos_token_id  # a turn marker that is not EOS (Gemma, Llama-3)
+    stop = StopStrings(tokenizer, ["<|eot|>"])
+    digits = tokenizer.encode("12", add_special_tokens=False)
+    assert stop.completed_by_last_token([*digits, eot])
+    assert not stop.completed_by_last_token([*digits, eot, *digits])
+
+
 def test_the_factory_builds_the_hf_backend_by_default(tmp_path):
     config = Config(model=ModelConfig(tiny=TinyModelConfig()))
     model, tokenizer = build_policy(config.model, seed=0)
