@@ -213,13 +213,40 @@ class StartEval(_Body, tag="start_eval"):
 
     ``StartEval(round=3, policy_version=30)``. The buffer hands the round's prompts out
     before new training prompts, and its results ride along with a later batch's
-    ``stats`` (``eval_*``). Answered with ``Ack(accepted=1)``, or ``Ack(accepted=0)``
-    when the round is not started: an earlier round is still running (counted as
-    skipped), or this round was started already.
+    ``stats`` (``eval_*``) or answer an :class:`EvalResultsRequest`. Answered with
+    ``Ack(accepted=1)``, or ``Ack(accepted=0)`` when the round is not started: an
+    earlier round is still running (counted as skipped), or this round was started
+    already.
     """
 
     round: Annotated[int, msgspec.Meta(ge=0)]
     policy_version: Annotated[int, msgspec.Meta(ge=0)]
+
+
+MAX_EVAL_WAIT_S = 3600.0
+"""The longest an EvalResultsRequest may ask the buffer to hold it."""
+
+
+class EvalResultsRequest(_Body, tag="eval_results_request"):
+    """The learner, done training, asks for the eval results no batch will carry.
+
+    ``EvalResultsRequest(wait_s=30.0)``. Answered with :class:`EvalResults`: every
+    finished round's results not handed over yet (each is handed over once, with a
+    batch or here). With none waiting while a round runs, the buffer holds the request
+    up to ``wait_s`` seconds and answers the moment that round completes; with no round
+    running it answers at once, so ``running_round == -1`` says no more results will
+    come. A ``wait_s`` that is negative, not finite or above ``MAX_EVAL_WAIT_S`` is
+    rejected (``bad_header``).
+    """
+
+    wait_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_EVAL_WAIT_S)] = 0.0
+
+
+class EvalResults(_Body, tag="eval_results"):
+    results: list[dict[str, float]]
+    """Finished rounds' ``eval_*`` results, oldest first; empty if none finished since."""
+    running_round: EvalRound = NOT_EVAL
+    """The round still running (its results come later), or -1: none is."""
 
 
 class SaveBufferState(_Body, tag="save_buffer_state"):
@@ -351,6 +378,8 @@ Message = (
     | Status
     | BatchRequest
     | StartEval
+    | EvalResultsRequest
+    | EvalResults
     | SaveBufferState
     | ErrorReply
     | WeightsRequest

@@ -6,6 +6,7 @@
                                        ▲                       │ forget(generator)
                                        └──── handed out again ─┘
     every sample of round r in ──▶ results(r) ──▶ next_results() ──▶ a batch's stats
+                                              └──▶ take_results() ──▶ EvalResults (after training)
 
 A round is the same list of eval prompts (group ids below 0) tagged with its
 number. Its groups are dispatched like training groups (whole, to one
@@ -18,7 +19,10 @@ Only one round runs at a time: a round due while the last one is still running
 is skipped and counted, not queued behind it. When the last sample of a round
 is in, its results are computed once and wait for the next batch to carry them
 to the learner; each round's results are delivered exactly once (a batch taken
-back because the learner stopped gives its results back too).
+back because the learner stopped gives its results back too). After its last
+step no batch comes, so the learner asks for them (``EvalResultsRequest``):
+:meth:`EvalRounds.take_results` hands over every finished round's at once, and
+:meth:`EvalRounds.results_ready` says when such a request can be answered.
 
 Rounds are not durable: a resumed buffer starts with none running, so a round
 unfinished at the checkpoint is dropped.
@@ -193,6 +197,22 @@ class EvalRounds:
     def next_results(self) -> dict[str, float]:
         """The oldest finished round's results, handed over once; empty if none waits."""
         return self.results.popleft() if self.results else {}
+
+    def take_results(self) -> list[dict[str, float]]:
+        """Every finished round's results not handed over yet, oldest first, each once."""
+        taken = list(self.results)
+        self.results.clear()
+        return taken
+
+    def results_ready(self) -> bool:
+        """Whether a request for results can be answered now: results wait, or no round
+        runs (so none will come until another starts)."""
+        return bool(self.results) or self.current is None
+
+    @property
+    def running_round(self) -> int:
+        """The number of the round running, or -1 (``NOT_EVAL``): none is."""
+        return self.current.number if self.current is not None else NOT_EVAL
 
     def give_back(self, results: dict[str, float]) -> None:
         """Results handed over with a batch the learner never trained: deliver them again."""

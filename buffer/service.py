@@ -26,7 +26,10 @@ its prompts at once.
 
 The learner starts held-out eval rounds with ``StartEval``; a finished round's
 ``eval_*`` results ride along with the next batch's ``stats``
-(:mod:`asyncrl.buffer.evaluation`).
+(:mod:`asyncrl.buffer.evaluation`). After its last step the learner asks for the
+results no batch will carry (``EvalResultsRequest``): the request is answered at
+once when results wait or no round runs, and otherwise held, like a work
+request, until the running round completes or its ``wait_s`` runs out.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ from asyncrl.messages import (
     Ack,
     BatchRequest,
     ErrorReply,
+    EvalResults,
+    EvalResultsRequest,
     Heartbeat,
     Join,
     Joined,
@@ -102,6 +107,15 @@ class HeldRequest:
     """``time.monotonic()`` after which it is answered with an empty grant."""
 
 
+@dataclass
+class HeldResultsRequest:
+    """An EvalResultsRequest waiting for the running round to complete."""
+
+    identity: bytes
+    deadline: float
+    """``time.monotonic()`` after which it is answered with what there is (maybe nothing)."""
+
+
 class BufferService:
     def __init__(
         self, config: Config, store: BufferStore, endpoint: str, run_dir: Path | None = None
@@ -130,6 +144,8 @@ class BufferService:
         """The store's dispatch state when the held requests were last tried."""
         self.counters: Counter[str] = Counter()
         """``work_requests_held`` (ever) and ``work_requests_held_granted`` (got items)."""
+        self.held_results: HeldResultsRequest | None = None
+        """The learner's request for eval results, while the running round is not done."""
 
     async def serve_loop(self) -> None:
         """Serve until ``stopping`` is set, then close the socket and the context."""
@@ -152,9 +168,11 @@ class BufferService:
                 if ready:
                     await self._receive()
                 await self._serve_held(time.monotonic())
-        finally:  # no replica is left waiting on a request that will never be answered
+                await self._serve_results(time.monotonic())
+        finally:  # no peer is left waiting on a request that will never be answered
             for held in list(self.held.values()):
                 await self._answer_held(held, [], time.monotonic())
+            await self._serve_results(math.inf)
 
     async def _receive(self) -> None:
         identity, *frames = await self.socket.recv_multipart(copy=False)
@@ -174,9 +192,12 @@ class BufferService:
 
     def _poll_timeout_ms(self) -> int:
         """``POLL_MS``, or less when a held request's deadline comes first."""
-        if not self.held:
+        deadlines = [held.deadline for held in self.held.values()]
+        if self.held_results is not None:
+            deadlines.append(self.held_results.deadline)
+        if not deadlines:
             return POLL_MS
-        first = min(held.deadline for held in self.held.values())
+        first = min(deadlines)
         return max(0, min(POLL_MS, math.ceil((first - time.monotonic()) * 1000)))
 
     def _expire_silent_generators(self) -> None:
@@ -211,6 +232,7 @@ class BufferService:
                     self.generator_pools[metas[0].generator_id] = pool or "default"
                 await self._reply(identity, Ack(accepted, len(samples) - accepted))
                 await self._serve_pending()
+                await self._serve_results(now)  # the sample that completes a round
             case Heartbeat(generator_id=generator_id):
                 self.store.heartbeat(generator_id, now)
                 await self._reply(identity, Ack(accepted=0))
@@ -254,6 +276,12 @@ class BufferService:
                         latest,
                     )
                 await self._reply(identity, Ack(accepted=int(started)))
+            case EvalResultsRequest(wait_s=wait_s):
+                if not self.store.evaluation.enabled:
+                    raise WireError("bad_field", "this run has no eval prompts (eval is off)")
+                await self._serve_results(math.inf)  # an earlier one: the newer one counts
+                self.held_results = HeldResultsRequest(identity, now + wait_s)
+                await self._serve_results(now)
             case SaveBufferState(step=step, abandoned_batch_request=abandoned):
                 if abandoned:
                     self._take_back_batch(identity)
@@ -316,6 +344,20 @@ class BufferService:
         grant = WorkGrant(items, self.store.policy_version, 0.0)
         if await self._reply(held.identity, grant):
             self.store.heartbeat(held.generator_id, now)
+
+    async def _serve_results(self, now: float) -> None:
+        """Answer the held request for eval results once it can be (results wait, or no
+        round runs) or at its deadline, with every finished round's results not handed
+        over yet."""
+        held = self.held_results
+        evaluation = self.store.evaluation
+        if held is None or (now < held.deadline and not evaluation.results_ready()):
+            return
+        self.held_results = None
+        reply = EvalResults(evaluation.take_results(), evaluation.running_round)
+        if not await self._reply(held.identity, reply):
+            for results in reversed(reply.results):  # not delivered: keep them for a batch
+                evaluation.give_back(results)
 
     def _service_stats(self) -> dict[str, float]:
         """The service's own counters: rejected messages and held work requests."""
