@@ -100,6 +100,13 @@ class EvalConfig(_Section):
     """Samples generated per prompt, with the run's sampling settings."""
     before_training: bool = False
     """Also evaluate the initial policy (a round at version 0)."""
+    at_end: bool = True
+    """Also evaluate the final policy: after the last step the learner starts a round of
+    version `run.total_steps` and waits for it (and for a round still running) before
+    it exits; the result is the last line of metrics.jsonl and `final/eval.json`."""
+    final_timeout_s: float = Field(600.0, gt=0.0, allow_inf_nan=False)
+    """How long the learner waits for the final round's results (and a round still
+    running) after the last step; past it the final eval is skipped, and logged."""
 
     @property
     def enabled(self) -> bool:

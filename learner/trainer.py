@@ -27,8 +27,11 @@ version ``V`` with ``V % eval.every_steps == 0`` (and at ``V = 0`` with
 one is due there), rank 0 tells the buffer to start round
 ``V // eval.every_steps`` (:class:`StartEval`). The generators do the work; the
 round's ``eval_*`` results arrive with a later batch's buffer stats and are
-logged at that step. No round starts at ``run.total_steps``: no batch would
-carry its results.
+logged at that step. No batch comes after the last step, so with
+``eval.at_end`` the final policy is evaluated apart (:mod:`.final_eval`): rank 0
+starts its round once training is done, waits for it (and for a round still
+running) up to ``eval.final_timeout_s``, and logs it as one more line, after
+saving the final policy so that the wait never holds the other ranks.
 """
 
 from __future__ import annotations
@@ -52,8 +55,17 @@ from asyncrl.config import Config
 from asyncrl.learner import checkpoint, distributed, sharding
 from asyncrl.learner.batch import TrainBatch, collate
 from asyncrl.learner.distributed import Ranks
+from asyncrl.learner.final_eval import FINAL_EVAL, FinalEval
 from asyncrl.learner.update import Update
-from asyncrl.messages import Ack, BatchRequest, SaveBufferState, StartEval, Trajectories
+from asyncrl.messages import (
+    Ack,
+    BatchRequest,
+    EvalResults,
+    EvalResultsRequest,
+    SaveBufferState,
+    StartEval,
+    Trajectories,
+)
 from asyncrl.models import build_policy
 from asyncrl.paths import checkpoint_dir
 from asyncrl.security import client_context, curve_keys
@@ -120,6 +132,25 @@ class BufferClient:
         if not isinstance(reply, Ack):
             raise RuntimeError(f"buffer answered {request!r} with {reply!r}")
         return bool(reply.accepted)
+
+    def eval_results(self, wait_s: float, stop: Callable[[], bool]) -> EvalResults | None:
+        """Eval results no batch carried; the buffer holds the request up to ``wait_s``
+        while a round runs. None once ``stop()`` is true first (the learner is exiting)."""
+        self.client.send(EvalResultsRequest(wait_s=wait_s))
+        waited_s = 0.0
+        while True:
+            try:
+                reply, _ = self.client.receive(timeout_s=STOP_POLL_S)
+                break
+            except TimeoutError:
+                waited_s += STOP_POLL_S
+                if stop():
+                    return None
+                if waited_s >= wait_s + START_EVAL_TIMEOUT_S:
+                    raise
+        if not isinstance(reply, EvalResults):
+            raise RuntimeError(f"buffer answered a request for eval results with {reply!r}")
+        return reply
 
     def save_state(self, step: int, timeout_s: float | None = None) -> None:
         request = SaveBufferState(step, abandoned_batch_request=self.abandoned)
@@ -260,6 +291,7 @@ def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
         cleanup.callback(distributed.shutdown)
         main = _MainRank(config, run_dir, learner, cleanup) if ranks.is_main else None
         publish(learner, main)
+        published = learner.version
         if main and (eval_due(config, learner.version) or before_training(config, learner)):
             main.start_eval(learner.version)
         checkpointed = learner.step
@@ -280,6 +312,7 @@ def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
             stall = 0.0
             if learner.version % config.learner.sync_interval == 0:
                 stall = publish(learner, main)
+                published = learner.version
                 if main and eval_due(config, learner.version):
                     main.start_eval(learner.version)
             if main:
@@ -295,15 +328,25 @@ def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
                 save_checkpoint(learner, main, run_dir, buffer_timeout_s=FINAL_SAVE_TIMEOUT_S)
             log.info("stopped by a signal after step %d", learner.step)
             return
+        final_eval = None
+        if config.eval.enabled and config.eval.at_end:
+            if published != learner.version:  # the generators evaluate published weights
+                publish(learner, main)
+            if main is not None:
+                final_eval = main.final_eval(run_dir / "final", stop)
+                final_eval.begin()  # the final round runs while the policy is saved
         if main is not None:
+            (run_dir / "final" / FINAL_EVAL).unlink(missing_ok=True)  # an earlier launch's
             log.info("trained %d steps; saving the final policy", learner.step)
         learner.save_pretrained(run_dir / "final")
+        if final_eval is not None:
+            final_eval.finish()
 
 
 def eval_due(config: Config, version: int) -> bool:
     """An eval round starts once ``version`` is published: every ``eval.every_steps``
     versions, not at 0 (see ``eval.before_training``) nor at the last, whose round no
-    batch would report."""
+    batch would report (``eval.at_end`` evaluates it apart)."""
     every = config.eval.every_steps
     return bool(every) and 0 < version < config.run.total_steps and version % every == 0
 
@@ -369,6 +412,8 @@ class _MainRank:
         self.eval_every = config.eval.every_steps
         self.started = time.perf_counter()
         self.first_step = learner.step
+        self.eval_only_step = config.run.total_steps
+        """The step of the next line logged after training (eval results only)."""
 
     def start_eval(self, version: int) -> None:
         """Ask the buffer to evaluate ``version`` (round ``version // eval.every_steps``)."""
@@ -382,6 +427,32 @@ class _MainRank:
                 number,
                 version,
             )
+
+    def final_eval(self, final_dir: Path, stop: Callable[[], bool]) -> FinalEval:
+        return FinalEval(self.config, final_dir, self.buffer, self.log_eval, stop)
+
+    def log_eval(self, results: dict[str, float], final: bool) -> dict:
+        """A round's results that came after training, as a line of their own (``eval_only``;
+        ``eval_final`` for the final policy's), numbered on from the last step; returns it."""
+        self.log_round(results)
+        record: dict = {"version": self.config.run.total_steps, "eval_only": True}
+        if final:
+            record["eval_final"] = True
+        record |= results
+        record["time_s"] = time.perf_counter() - self.started
+        step = self.eval_only_step
+        self.eval_only_step += 1
+        self.tracker.log(step, record)
+        return {"step": step, **record}
+
+    def log_round(self, metrics: dict[str, float]) -> None:
+        log.info(
+            "eval round %d (version %d): reward %.3f over %d samples",
+            metrics["eval_round"],
+            metrics["eval_policy_version"],
+            metrics["eval_reward_mean"],
+            metrics["eval_samples"],
+        )
 
     def generations(self, batch: TrainBatch) -> list[dict[str, object]]:
         """The first samples of the first groups of ``batch``, decoded, for aim."""
@@ -423,13 +494,7 @@ class _MainRank:
         self.trained_groups.write(json.dumps(record) + "\n")
         self.trained_groups.flush()
         if "eval_reward_mean" in metrics:
-            log.info(
-                "eval round %d (version %d): reward %.3f over %d samples",
-                metrics["eval_round"],
-                metrics["eval_policy_version"],
-                metrics["eval_reward_mean"],
-                metrics["eval_samples"],
-            )
+            self.log_round(metrics)
         self.tracker.log_generations(version, self.generations(batch))
         self.tracker.log(
             version,
