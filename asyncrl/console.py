@@ -13,7 +13,9 @@ Two views with one interface (``update``, ``note``, ``close``), chosen by
       step   12/600  v12    reward 0.063  staleness 1.00/1  samples/s 1949.1  wait 32%
 
   With ``eval`` on, once a round has reported, the line ends with the latest
-  held-out reward and the version it measured: ``  eval 0.412 @v10``.
+  held-out reward and the version it measured: ``  eval 0.412 @v10``. Lines
+  logged after training with eval results only (``eval_only``: the final
+  policy's round) get no line; the launcher's closing message reports it.
 
 Events (a generator restarted, the run stopping) go through ``note`` in both.
 """
@@ -130,7 +132,8 @@ class PlainConsole:
         for record in self.follower.poll():
             if has_eval(record):
                 self.latest_eval = record
-            self.out.write(step_line(record, self.total_steps, self.latest_eval) + "\n")
+            if not record.get("eval_only"):
+                self.out.write(step_line(record, self.total_steps, self.latest_eval) + "\n")
         self.out.flush()
 
     def note(self, message: str, error: bool = False) -> None:
@@ -171,9 +174,10 @@ class LiveConsole:
 
     def update(self, health: list[ReplicaHealth]) -> None:
         records = self.follower.poll()
-        if records:
-            self.progress.update(self.task, completed=records[-1]["step"] + 1)
-            self.last = records[-1]
+        steps = [record for record in records if not record.get("eval_only")]
+        if steps:
+            self.progress.update(self.task, completed=steps[-1]["step"] + 1)
+            self.last = steps[-1]
         for record in records:
             if has_eval(record):
                 self.latest_eval = record

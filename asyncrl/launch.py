@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import signal
 import subprocess
 import sys
@@ -46,6 +47,7 @@ import psutil
 
 from asyncrl.config import Config, save_config
 from asyncrl.console import ReplicaHealth, RunConsole, open_console
+from asyncrl.learner.final_eval import FINAL_EVAL
 from asyncrl.paths import latest_checkpoint, replica_name
 from asyncrl.security import resolve_keys
 from asyncrl.transport import free_port
@@ -424,8 +426,12 @@ def wrote_final_policy(run_dir: Path, since: float) -> bool:
 def closing_message(run_dir: Path, status: int, failure: str | None, elapsed_s: float) -> str:
     """The last words of a launch (local or Ray): done, or why not and how to resume."""
     if status == 0:
-        return f"done in {elapsed_s:.1f}s; final policy in {run_dir / 'final'}"
+        evaluated = final_eval_text(run_dir)
+        return f"done in {elapsed_s:.1f}s{evaluated}; final policy in {run_dir / 'final'}"
     lines = [f"asyncrl: run failed: {failure}" if failure else "asyncrl: stopped"]
+    if wrote_final_policy(run_dir, time.time() - elapsed_s):  # stopped while evaluating it
+        lines.append(f"asyncrl: training had finished; the final policy is in {run_dir / 'final'}")
+        return "\n".join(lines)
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
         lines.append("asyncrl: no complete checkpoint was written, so the run cannot be resumed")
@@ -435,3 +441,18 @@ def closing_message(run_dir: Path, status: int, failure: str | None, elapsed_s: 
             f"asyncrl launch --resume {run_dir}"
         )
     return "\n".join(lines)
+
+
+def final_eval_text(run_dir: Path) -> str:
+    """``; final eval reward 0.930 over 128 held-out samples`` from ``final/eval.json``
+    (``eval.at_end``), or why there is none; empty when the run wrote no such file."""
+    try:
+        record = json.loads((run_dir / "final" / FINAL_EVAL).read_text())
+    except (OSError, ValueError):
+        return ""
+    if record.get("eval_reward_mean") is not None:
+        return (
+            f"; final eval reward {record['eval_reward_mean']:.3f} "
+            f"over {record['eval_samples']:.0f} held-out samples"
+        )
+    return f"; no final eval ({record.get('skipped') or 'no reward'})"

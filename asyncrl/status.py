@@ -46,6 +46,13 @@ def ask_buffer(config: Config, timeout_s: float = ASK_TIMEOUT_S) -> Status | Non
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """One record per learner step: the lines logged after training with eval results
+    only (``eval_only``, such as the final policy's) are left out."""
+    return [record for record in read_records(run_dir) if not record.get("eval_only")]
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    """Every complete line of ``metrics.jsonl``, the ``eval_only`` ones included."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
@@ -62,7 +69,8 @@ def show(run_dir: Path, console: Console | None = None) -> int:
         console.print(f"[red]asyncrl: {run_dir} is not a run directory (no config.yaml)[/red]")
         return 2
     config = config_from_dict(yaml.safe_load(config_path.read_text()))
-    metrics = read_metrics(run_dir)
+    records = read_records(run_dir)
+    metrics = [record for record in records if not record.get("eval_only")]
     live = ask_buffer(config)
     finished = (run_dir / "final").exists()
 
@@ -110,13 +118,15 @@ def show(run_dir: Path, console: Console | None = None) -> int:
             )
         console.print(generators)
 
-    evaluated = [record for record in metrics if record.get("eval_reward_mean") is not None]
+    evaluated = [record for record in records if record.get("eval_reward_mean") is not None]
     if evaluated:
         e = evaluated[-1]
+        kind = "final eval (the final policy)" if e.get("eval_final") else "latest eval"
+        when = "after training" if e.get("eval_only") else f"at step {e['step'] + 1}"
         console.print(
-            f"latest eval: round {e['eval_round']:.0f} of version {e['eval_policy_version']:.0f}, "
+            f"{kind}: round {e['eval_round']:.0f} of version {e['eval_policy_version']:.0f}, "
             f"reward {e['eval_reward_mean']:.3f} over {e['eval_samples']:.0f} held-out samples "
-            f"(logged at step {e['step'] + 1})"
+            f"(logged {when})"
         )
 
     if metrics:
