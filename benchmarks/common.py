@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import os
 import platform
 import shutil
@@ -26,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+from asyncrl import status
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -242,12 +243,9 @@ def launch(
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """RUN_DIR/metrics.jsonl as one record per step (the last line of a step counts)."""
-    by_step: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            by_step[int(record["step"])] = record
+    """RUN_DIR/metrics.jsonl as one record per training step (the last line of a step
+    counts after a resume; eval-only lines, such as the final policy's, are left out)."""
+    by_step = {int(record["step"]): record for record in status.read_metrics(run_dir)}
     return [by_step[step] for step in sorted(by_step)]
 
 
