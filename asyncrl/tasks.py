@@ -19,7 +19,7 @@ is one of them, so the two never share a prompt: with 3 digits there are only
 from __future__ import annotations
 
 import random
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # imported lazily: reward worker processes import this module
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
     from asyncrl.config import Config, TaskConfig
+    from asyncrl.data import PromptDataset, PromptRow
     from asyncrl.messages import WorkItem
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
@@ -120,61 +121,25 @@ def eval_work_items(config: Config) -> list[WorkItem]:
     ``eval.files``: a fixed sample of ``eval.max_prompts`` rows drawn with
     ``run.seed``; otherwise the built-in task's held-out prompts (:func:`eval_digits`).
     """
-    from asyncrl.messages import WorkItem
-
     evaluation = config.eval
     if not evaluation.enabled:
         return []
     samples = evaluation.samples_per_prompt
-    with_messages = config.environment is not None
     if evaluation.files:
-        from asyncrl.data import PromptDataset
-        from asyncrl.rewards import check_reward_sources
-
-        dataset = PromptDataset(
-            evaluation.files,
-            prompt_tokenizer(config),
-            max_prompt_tokens=config.data.max_prompt_tokens,
-            shuffle=True,
-            seed=config.run.seed,
-        )
-        check_reward_sources(config.reward.function, dataset.data_sources)
-        items = []
-        for position in range(min(evaluation.max_prompts, len(dataset))):
-            row = dataset[position]  # epoch 0: distinct rows, a seeded permutation
-            items.append(
-                WorkItem(
-                    eval_group_id(position),
-                    samples,
-                    row.prompt_ids,
-                    row.ground_truth,
-                    row.data_source,
-                    extra_info=row.extra_info,
-                    messages=row.messages if with_messages else [],
-                )
-            )
-        return items
-    tokenizer = build_tokenizer()
+        dataset = _checked_dataset(config, evaluation.files, shuffle=True)
+        positions = range(min(evaluation.max_prompts, len(dataset)))
+        # epoch 0 of a shuffled dataset: distinct rows, a seeded permutation
+        return [_row_item(config, eval_group_id(p), samples, dataset[p]) for p in positions]
     task = DigitsTask(config.task, config.run.seed)
+    tokenizer = build_tokenizer()
     items = []
     for position, digits in enumerate(eval_digits(config)):
         prompt = task.make_prompt(eval_group_id(position), digits)
-        messages = [{"role": "user", "content": prompt.text}] if with_messages else []
-        ids = task.encode_prompt(prompt, tokenizer)
-        items.append(
-            WorkItem(
-                eval_group_id(position),
-                samples,
-                ids,
-                prompt.ground_truth,
-                prompt.data_source,
-                messages=messages,
-            )
-        )
+        items.append(_task_item(config, samples, task, prompt, tokenizer))
     return items
 
 
-def work_item_factory(config: Config):
+def work_item_factory(config: Config) -> Callable[[int], WorkItem]:
     """``index -> WorkItem``: prompt ``index``, tokenized, as one group.
 
     With ``data.train_files`` set, prompts come from those files
@@ -182,50 +147,67 @@ def work_item_factory(config: Config):
     otherwise from the built-in task, never one of its held-out eval prompts when
     ``eval`` is on.
     """
-    from asyncrl.messages import WorkItem
-
     group_size = config.algorithm.group_size
-    with_messages = config.environment is not None  # the environment renders the prompt
     if config.data.train_files:
-        from asyncrl.data import PromptDataset
-        from asyncrl.rewards import check_reward_sources
-
-        dataset = PromptDataset(
-            config.data.train_files,
-            prompt_tokenizer(config),
-            max_prompt_tokens=config.data.max_prompt_tokens,
-            shuffle=config.data.shuffle,
-            seed=config.run.seed,
-        )
-        check_reward_sources(config.reward.function, dataset.data_sources)
-
-        def make_row_item(index: int) -> WorkItem:
-            row = dataset[index]
-            return WorkItem(
-                index,
-                group_size,
-                row.prompt_ids,
-                row.ground_truth,
-                row.data_source,
-                extra_info=row.extra_info,
-                messages=row.messages if with_messages else [],
-            )
-
-        return make_row_item
+        dataset = _checked_dataset(config, config.data.train_files, shuffle=config.data.shuffle)
+        return lambda index: _row_item(config, index, group_size, dataset[index])
 
     tokenizer = build_tokenizer()
     held_out = eval_digits(config) if config.eval.enabled and not config.eval.files else []
     task = DigitsTask(config.task, config.run.seed, exclude=held_out)
+    return lambda index: _task_item(config, group_size, task, task.prompt(index), tokenizer)
 
-    def make_item(index: int) -> WorkItem:
-        prompt = task.prompt(index)
-        ids = task.encode_prompt(prompt, tokenizer)
-        messages = [{"role": "user", "content": prompt.text}] if with_messages else []
-        return WorkItem(
-            index, group_size, ids, prompt.ground_truth, prompt.data_source, messages=messages
-        )
 
-    return make_item
+def _checked_dataset(config: Config, files: list[str], shuffle: bool) -> PromptDataset:
+    """Prompt files read with the policy's tokenizer, each data source with a reward function."""
+    from asyncrl.data import PromptDataset
+    from asyncrl.rewards import check_reward_sources
+
+    dataset = PromptDataset(
+        files,
+        prompt_tokenizer(config),
+        max_prompt_tokens=config.data.max_prompt_tokens,
+        shuffle=shuffle,
+        seed=config.run.seed,
+    )
+    check_reward_sources(config.reward.function, dataset.data_sources)
+    return dataset
+
+
+def _row_item(config: Config, group_id: int, samples: int, row: PromptRow) -> WorkItem:
+    """A prompt file's row as a group; with an environment it renders the row's messages."""
+    from asyncrl.messages import WorkItem
+
+    return WorkItem(
+        group_id,
+        samples,
+        row.prompt_ids,
+        row.ground_truth,
+        row.data_source,
+        extra_info=row.extra_info,
+        messages=row.messages if config.environment is not None else [],
+    )
+
+
+def _task_item(
+    config: Config,
+    samples: int,
+    task: DigitsTask,
+    prompt: Prompt,
+    tokenizer: PreTrainedTokenizerFast,
+) -> WorkItem:
+    """A built-in task prompt as a group (its index is the group id)."""
+    from asyncrl.messages import WorkItem
+
+    with_messages = config.environment is not None  # the environment renders the prompt
+    return WorkItem(
+        prompt.index,
+        samples,
+        task.encode_prompt(prompt, tokenizer),
+        prompt.ground_truth,
+        prompt.data_source,
+        messages=[{"role": "user", "content": prompt.text}] if with_messages else [],
+    )
 
 
 def prompt_tokenizer(config: Config) -> PreTrainedTokenizerBase:
