@@ -61,6 +61,25 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def barrier(ranks: Ranks) -> None:
+    """Wait until every rank gets here; call it before a rank's last exit.
+
+    A rank that exits right after a collective can abort (SIGABRT, "terminate
+    called without an active exception"): a gloo worker thread may still hold
+    that collective's tensors when the interpreter finalizes, and freeing them
+    needs the GIL (seen in about 1 in 10 two-rank CPU runs; the thread's
+    frames are in ``ProcessGroupGloo::runLoop``). Waiting here for the slowest
+    rank gives the workers that time, and a barrier's own work holds no
+    Python objects.
+    """
+    if ranks.world_size == 1:
+        return
+    if ranks.device.type == "cuda":
+        dist.barrier(device_ids=[ranks.device.index])
+    else:
+        dist.barrier()
+
+
 BATCH_FIELDS = [field.name for field in dataclasses.fields(TrainBatch)]
 """Broadcast order; every field is a tensor whose leading dim is the batch size."""
 _DTYPES = {

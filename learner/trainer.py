@@ -326,6 +326,7 @@ def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
         if learner.step < config.run.total_steps:  # asked to stop
             if learner.step > checkpointed:
                 save_checkpoint(learner, main, run_dir, buffer_timeout_s=FINAL_SAVE_TIMEOUT_S)
+            distributed.barrier(ranks)
             log.info("stopped by a signal after step %d", learner.step)
             return
         final_eval = None
@@ -339,6 +340,7 @@ def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
             (run_dir / "final" / FINAL_EVAL).unlink(missing_ok=True)  # an earlier launch's
             log.info("trained %d steps; saving the final policy", learner.step)
         learner.save_pretrained(run_dir / "final")
+        distributed.barrier(ranks)  # the other ranks leave once rank 0 has saved
         if final_eval is not None:
             final_eval.finish()
 

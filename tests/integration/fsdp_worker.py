@@ -109,6 +109,7 @@ def main() -> None:
         torch.save(
             {"params": params, "metrics": metrics, "rebuilt": rebuilt}, args.out / "params.pt"
         )
+    distributed.barrier(ranks)  # as the learner does: no rank exits right after a collective
     distributed.shutdown()
 
 
