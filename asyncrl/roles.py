@@ -19,7 +19,8 @@ from asyncrl.paths import replica_name
 ROLES = ("buffer", "learner", "generator")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> str:
+    """Run the role named in ``argv`` to its end; returns the role."""
     parser = argparse.ArgumentParser(prog="python -m asyncrl.roles")
     parser.add_argument("role", choices=ROLES)
     parser.add_argument("run_dir", type=Path)
@@ -54,7 +55,14 @@ def main(argv: list[str] | None = None) -> None:
         from asyncrl.generators.worker import run
 
         run(config, args.run_dir, args.index, pool=args.pool, restarts=args.restarts)
+    return args.role
 
 
 if __name__ == "__main__":
-    main()
+    if main() == "learner":
+        # Not under Ray (whose actors call main()): a learner process that has
+        # saved and closed everything ends here, before gloo's threads can abort
+        # the interpreter's finalization (see exit_without_finalizing).
+        from asyncrl.learner.distributed import exit_without_finalizing
+
+        exit_without_finalizing()

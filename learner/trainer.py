@@ -340,7 +340,7 @@ def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
             (run_dir / "final" / FINAL_EVAL).unlink(missing_ok=True)  # an earlier launch's
             log.info("trained %d steps; saving the final policy", learner.step)
         learner.save_pretrained(run_dir / "final")
-        distributed.barrier(ranks)  # the other ranks leave once rank 0 has saved
+        distributed.barrier(ranks)  # every rank is done with the others before any exits
         if final_eval is not None:
             final_eval.finish()
 

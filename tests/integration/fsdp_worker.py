@@ -109,8 +109,9 @@ def main() -> None:
         torch.save(
             {"params": params, "metrics": metrics, "rebuilt": rebuilt}, args.out / "params.pt"
         )
-    distributed.barrier(ranks)  # as the learner does: no rank exits right after a collective
+    distributed.barrier(ranks)  # ends as the learner does (asyncrl.roles)
     distributed.shutdown()
+    distributed.exit_without_finalizing()
 
 
 if __name__ == "__main__":
