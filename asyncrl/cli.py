@@ -65,7 +65,27 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument(
         "--force", action="store_true", help="replace existing keys (old holders are refused)"
     )
+
+    export = commands.add_parser(
+        "export-model",
+        help="write a model (Hugging Face folder, Hub name or .gguf file) as a Hugging Face folder",
+    )
+    export.add_argument("source", help="model.name_or_path: a folder, a Hub name or a .gguf file")
+    export.add_argument("output", type=Path, help="the folder to write")
+    export.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     return parser
+
+
+def _export_model(source: str, output: Path, dtype: str) -> int:
+    from asyncrl.models import export_pretrained
+
+    try:
+        export_pretrained(source, output, dtype)
+    except (OSError, ValueError) as error:
+        print(f"asyncrl: cannot export {source}: {error}", file=sys.stderr)
+        return 2
+    print(f"model written to {output} (use model.name_or_path={output})")
+    return 0
 
 
 def _keys(directory: Path, force: bool) -> int:
@@ -103,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "keys":
         return _keys(args.dir, args.force)
+    if args.command == "export-model":
+        return _export_model(args.source, args.output, args.dtype)
     if args.command == "status":
         from asyncrl.status import show
 

@@ -214,9 +214,9 @@ def prompt_tokenizer(config: Config) -> PreTrainedTokenizerBase:
     """The policy's tokenizer as :func:`asyncrl.models.build_policy` loads it (no model)."""
     if config.model.name_or_path is None:
         return build_tokenizer()
-    from transformers import AutoTokenizer
+    from asyncrl.models import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(config.model.name_or_path)
+    return load_tokenizer(config.model.name_or_path)
 
 
 def __getattr__(name: str):

@@ -66,7 +66,7 @@ from asyncrl.messages import (
     StartEval,
     Trajectories,
 )
-from asyncrl.models import build_policy
+from asyncrl.models import DTYPES, build_policy, empty_like
 from asyncrl.paths import checkpoint_dir
 from asyncrl.security import client_context, curve_keys
 from asyncrl.tracking import Tracker
@@ -193,6 +193,7 @@ class Learner:
         self.ranks = ranks
         algorithm = config.algorithm
         policy, self.tokenizer = build_policy(config.model, config.run.seed)
+        self.policy_config = policy.config
         model: nn.Module = policy
         if algorithm.advantage == "gae":
             with torch.random.fork_rng():
@@ -241,7 +242,7 @@ class Learner:
         """The policy in Hugging Face format (rank 0 writes; every rank must call)."""
         state = dict(self.full_tensors())
         if self.ranks.is_main:
-            policy, _ = build_policy(self.config.model, self.config.run.seed)
+            policy = empty_like(self.policy_config, DTYPES[self.config.model.dtype])
             policy.load_state_dict(state)
             policy.save_pretrained(path)
             self.tokenizer.save_pretrained(path)

