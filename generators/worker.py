@@ -10,10 +10,11 @@ tops them up with new work and loads the newest published weights, so a long
 generation never blocks an update and an update never discards a half-made
 sample: its earlier tokens keep the version and log-probs they were made with
 (partial rollouts). Each finished sample is scored and sent at the end of the
-chunk in which it finished. Between chunks, and while idle, the replica sends a
-``Heartbeat`` when it has not spoken to the buffer for
-``buffer.heartbeat_interval_s``, so the buffer never mistakes a replica that is
-busy generating for a dead one and requeues its groups.
+chunk in which it finished. Liveness is not the loop's job: a thread of its own
+(:mod:`asyncrl.generators.liveness`) sends a ``Heartbeat`` every
+``buffer.heartbeat_interval_s`` on its own socket, so a chunk, a prefill or a
+weight load of any length never makes the buffer take a busy replica for a
+dead one and requeue its groups.
 
 A replica with nothing at all to do (no rollout, no episode waiting for its
 environment, no reward being computed) lets the buffer hold its work request
@@ -50,10 +51,10 @@ from asyncrl.config import Config
 from asyncrl.envs.formatting import build_formatter
 from asyncrl.generators.backend import Backend, Rollout, build_backend
 from asyncrl.generators.episodes import Episodes
+from asyncrl.generators.liveness import HeartbeatThread
 from asyncrl.messages import (
     NOT_EVAL,
     Ack,
-    Heartbeat,
     Join,
     Joined,
     Leave,
@@ -99,13 +100,15 @@ class GeneratorReplica:
         self.active: list[Rollout] = []
         self.stopping = False
         self.last_contact = float("-inf")
-        """``time.monotonic()`` of the last request to the buffer: every one is a heartbeat."""
+        """``time.monotonic()`` of the last answer from the buffer."""
         self.stats = {"samples_sent": 0, "weight_swaps": 0, "weight_swap_latency_s": 0.0}
         self.stats["weight_load_s"] = 0.0
         self.stats["reward_errors"] = 0
         self.stats["eval_samples_sent"] = 0
         self.stats["busy_s"] = 0.0  # generating chunks, fetching and loading weights
         self.stats["wall_s"] = 0.0  # since run_loop started, as of the latest send
+        self.stats["chunks"] = 0
+        self.stats["chunk_s_max"] = 0.0  # the longest engine call: liveness must not mind it
         self.started_at = time.monotonic()
         self.scorer = RewardScorer.from_config(config.reward)
         """Scores finished samples in worker processes, off this loop (asyncrl.rewards)."""
@@ -143,11 +146,14 @@ class GeneratorReplica:
                     self.send([], wait_s=pause_s)
                 else:
                     time.sleep(pause_s)
-                self.heartbeat()
                 continue
             busy_from = time.monotonic()
             self.sync_weights()
+            chunk_from = time.monotonic()
             self.backend.generate_chunk(self.active, self.config.generators.chunk_tokens)
+            chunk_s = time.monotonic() - chunk_from
+            self.stats["chunks"] += 1
+            self.stats["chunk_s_max"] = max(self.stats["chunk_s_max"], chunk_s)
             self.stats["busy_s"] += time.monotonic() - busy_from
             ended = [r for r in self.active if r.finished]
             self.active = [r for r in self.active if not r.finished]
@@ -159,7 +165,6 @@ class GeneratorReplica:
                     finished.append(rollout)
             if finished or self.scoring:
                 self.send(finished)
-            self.heartbeat()
 
     def collect_episodes(self) -> None:
         """Episodes the environment has answered go back to generation or out as samples."""
@@ -194,19 +199,12 @@ class GeneratorReplica:
         else:
             log.warning("the buffer answered Leave with %r", reply)
 
-    def heartbeat(self) -> None:
-        """Tell the buffer this replica is alive, unless another request just did."""
-        if time.monotonic() - self.last_contact < self.config.buffer.heartbeat_interval_s:
-            return
-        ack, _ = self.request(Heartbeat(self.generator_id))
-        assert isinstance(ack, Ack), ack
-
     def request(
         self,
-        body: WorkRequest | Trajectories | Heartbeat,
+        body: WorkRequest | Trajectories,
         arrays: dict[str, np.ndarray] | None = None,
     ):
-        """A request to the buffer, noted as this replica's latest sign of life."""
+        """A request to the buffer, noted as the latest contact with it."""
         reply = self.buffer.request(body, arrays)
         self.last_contact = time.monotonic()
         return reply
@@ -257,7 +255,7 @@ class GeneratorReplica:
         """The buffer's answer to a WorkRequest for ``room`` samples, or None if asked to stop.
 
         An idle replica lets the buffer hold the request until work is admitted, for
-        up to ``buffer.heartbeat_interval_s`` (the request is its heartbeat meanwhile),
+        up to ``buffer.heartbeat_interval_s``,
         and checks every ``STOP_POLL_S`` whether it should stop. A request given up
         that way is answered anyway, when the replica says ``Leave``.
         """
@@ -464,6 +462,13 @@ def serve(
         if not isinstance(joined, Joined):
             raise RuntimeError(f"the buffer at {buffer_endpoint} answered Join with {joined!r}")
         log.info("%s joined run %r at version %d", name, joined.run_name, joined.policy_version)
+        heartbeats = HeartbeatThread(
+            context,
+            buffer_endpoint,
+            name,
+            config.buffer.heartbeat_interval_s,
+            reply_timeout_s=config.buffer.heartbeat_timeout_s,
+        ).start()
         replica = GeneratorReplica(
             config, name, backend, context, pool, buffer, weights_endpoint(joined)
         )
@@ -473,6 +478,7 @@ def serve(
         try:
             replica.run_loop()
         finally:
+            heartbeats.stop()
             replica.close()
     finally:
         backend.close()

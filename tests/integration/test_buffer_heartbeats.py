@@ -115,21 +115,30 @@ def test_heartbeats_keep_a_busy_generator_s_groups(context):
         assert set(buffer.store.in_flight) == {0, 1}
 
 
-def test_the_replica_loop_s_heartbeat_reaches_the_buffer_at_most_once_per_interval(buffer, context):
-    from asyncrl.generators.worker import GeneratorReplica
-    from asyncrl.transport import RequestClient
+def test_the_heartbeat_thread_keeps_a_replica_alive_while_its_loop_is_blocked(context):
+    """A replica stuck in one long engine call (here: its thread asleep for three
+    timeouts) keeps its groups: liveness comes from a thread of its own. Once that
+    thread stops, as when the process is SIGSTOPped, the buffer expires it."""
+    from asyncrl.generators.liveness import HeartbeatThread
 
-    client = RequestClient(context, buffer.endpoint)
-    weights = f"tcp://127.0.0.1:{buffer.config.cluster.weights_port}"
-    replica = GeneratorReplica(buffer.config, "gen-w", None, context, "default", client, weights)
-    replica.heartbeat()
-    first = replica.last_contact
-    replica.heartbeat()  # within the interval: nothing sent
-    assert replica.last_contact == first
-    wait_until(lambda: "gen-w" in buffer.store.last_seen, lambda: None, timeout_s=5)
-    time.sleep(buffer.config.buffer.heartbeat_interval_s)
-    replica.heartbeat()
-    assert replica.last_contact > first
+    timeout_s = 1.0
+    with running_buffer(make_config(heartbeat_timeout_s=timeout_s)) as buffer:
+        a = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        grant = exchange(a, WorkRequest("gen-a", max_samples=BATCH))
+        assert len(grant.items) == 2
+        heartbeats = HeartbeatThread(context, buffer.endpoint, "gen-a", 0.1, timeout_s).start()
+        time.sleep(3 * timeout_s)  # the "chunk": nothing from this thread
+        assert buffer.store.counters["requeued_groups"] == 0
+        assert set(buffer.store.in_flight) == {0, 1}
+        assert heartbeats.sent >= 10
+
+        heartbeats.stop()
+        wait_until(
+            lambda: buffer.store.counters["requeued_groups"] == 2,
+            lambda: f"counters {dict(buffer.store.counters)}",
+            timeout_s=5 * timeout_s,
+        )
+        assert "gen-a" not in buffer.store.last_seen
 
 
 def test_back_pressure_refuses_work_with_a_retry_hint_while_a_batch_is_still_served(context):
