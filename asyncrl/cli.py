@@ -120,7 +120,13 @@ def _generator(config, buffer: str, pool: str, work_dir: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    # `launch CONFIG --quiet key=value`: overrides may follow an option too
+    args, extra = parser.parse_known_args(argv)
+    strays = [item for item in extra if "=" not in item or item.startswith("-")]
+    if strays or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(strays or extra)}")
+    if extra:
+        args.overrides += extra
     if args.command == "keys":
         return _keys(args.dir, args.force)
     if args.command == "export-model":
