@@ -48,7 +48,7 @@ import torch
 import zmq
 
 from asyncrl.config import Config
-from asyncrl.envs.formatting import build_formatter
+from asyncrl.envs.formatting import TemplateFormatError, TemplateFormatter, build_formatter
 from asyncrl.generators.backend import Backend, Rollout, build_backend
 from asyncrl.generators.episodes import Episodes
 from asyncrl.generators.liveness import HeartbeatThread
@@ -364,6 +364,25 @@ class GeneratorReplica:
         return metas, arrays
 
 
+def template_end_of_turn(tokenizer) -> list[str]:
+    """The chat template's end-of-turn marker as a stop string, when it is not EOS.
+
+    A response to a chat prompt ends where the template closes the assistant's
+    turn. That is EOS for ChatML models (SmolLM2, Qwen: ``<|im_end|>``) but not for
+    all (Llama-3's ``<|eot_id|>`` beside EOS ``<|end_of_text|>``): without the
+    marker such a model would write the next turn itself. Nothing for a tokenizer
+    without a chat template, or one whose turns cannot be told apart.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    try:
+        marker = TemplateFormatter(tokenizer).end_of_turn
+    except TemplateFormatError as error:
+        log.warning("no end-of-turn stop string from the chat template: %s", error)
+        return []
+    return [] if not marker or marker == tokenizer.eos_token else [marker]
+
+
 def generator_id(pool: str, index: int, restarts: int = 0) -> str:
     """``gen-0`` (default pool), ``fast-1`` (pool ``fast``); ``-r2`` after two restarts,
     so the buffer never takes a restarted replica for the one that died."""
@@ -438,10 +457,12 @@ def serve(
     torch.set_num_threads(config.generators.num_threads)
     model, tokenizer = build_policy(config.model, config.run.seed)
     if config.environment is not None:  # a model turn ends at the turn marker
-        formatter = build_formatter(config.environment.formatter, tokenizer)
-        stop = [*config.generators.stop, formatter.end_of_turn]
-        generators = config.generators.model_copy(update={"stop": stop})
-        config = config.model_copy(update={"generators": generators})
+        end_of_turn = [build_formatter(config.environment.formatter, tokenizer).end_of_turn]
+    else:
+        end_of_turn = template_end_of_turn(tokenizer)
+    stop = [*config.generators.stop, *(s for s in end_of_turn if s not in config.generators.stop)]
+    generators = config.generators.model_copy(update={"stop": stop})
+    config = config.model_copy(update={"generators": generators})
     torch.manual_seed(seed)
     context = client_context(config.cluster)
     replica = None

@@ -431,3 +431,19 @@ def test_an_episode_through_run_episode_is_the_template_rendering_token_for_toke
             assert codec.decode(trajectory.token_ids[start:end]).startswith(
                 "\n" if formatter.end_of_turn == "<|im_end|>" else "<|start_header_id|>"
             )
+
+
+# ---------------------------------------------------------------- single-turn stop
+
+
+def test_single_turn_generation_stops_at_the_template_s_turn_marker_when_it_is_not_eos():
+    from asyncrl.generators.worker import template_end_of_turn
+
+    assert template_end_of_turn(LLAMA) == ["<|eot_id|>"]  # EOS is </s>: the marker is needed
+    assert template_end_of_turn(ZEPHYR) == []  # its turns end with EOS itself
+    qwen_eos = chat_tokenizer(QWEN25)
+    qwen_eos.eos_token = "<|im_end|>"  # as SmolLM2 and Qwen ship it
+    assert template_end_of_turn(qwen_eos) == []
+    assert template_end_of_turn(chat_tokenizer(None)) == []  # no template: nothing to stop at
+    refused = chat_tokenizer(SYSTEM_FOLDED_INTO_LAST_USER)
+    assert template_end_of_turn(refused) == []  # turns cannot be told apart: EOS only
