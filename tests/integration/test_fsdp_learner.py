@@ -60,3 +60,24 @@ def test_resume_matches_an_unbroken_run(tmp_path):
     resumed = train(tmp_path / "resumed", 4, "--resume", str(checkpoint), ranks=2)
     assert max_difference(unbroken["params"], resumed["params"]) == 0.0
     assert resumed["metrics"]["learner_lr"] == unbroken["metrics"]["learner_lr"]
+
+
+def test_a_gguf_policy_checkpoints_resumes_and_exports_like_any_other(tmp_path, smollm2_gguf):
+    """model.name_or_path naming a .gguf file (SmolLM2-135M-Instruct, dequantized on
+    load): the checkpoint of step 1 resumes to the same parameters at step 2, and
+    the final export is a plain Hugging Face folder holding exactly those weights."""
+    from transformers import AutoModelForCausalLM
+
+    source = [f"model.name_or_path={smollm2_gguf}", "model.tiny=null", "learner.lr=1e-4"]
+    source += ["--no-publish"]
+    unbroken = train(tmp_path / "unbroken", 2, *source, "--save-at", "1", "--export")
+    checkpoint = tmp_path / "unbroken" / "checkpoint"
+    assert (checkpoint / "COMPLETE").exists()
+    resumed = train(tmp_path / "resumed", 2, *source, "--resume", str(checkpoint))
+    assert max_difference(unbroken["params"], resumed["params"]) == 0.0
+
+    final = tmp_path / "unbroken" / "final"
+    assert "quantization_config" not in (final / "config.json").read_text()
+    exported = AutoModelForCausalLM.from_pretrained(final).state_dict()
+    params = unbroken["params"]
+    assert max_difference({name: exported[name] for name in params}, params) == 0.0
