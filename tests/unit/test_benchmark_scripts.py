@@ -27,6 +27,7 @@ def load(name: str):
 common = load("common")
 sweep = load("staleness_sweep")
 async_vs_sync = load("async_vs_sync")
+real_model = load("real_model")
 
 
 def test_ideal_ratio_is_two_when_phases_are_equal_and_falls_as_one_dominates():
@@ -174,3 +175,39 @@ def test_sweep_table_counts_seeds_reaching_the_target_and_takes_medians(monkeypa
     assert stale == {"reached": 0, "samples_median": None, "seconds_median": None}
     assert rows[(0, "tis")]["seeds"] == 2
     assert rows[(4, "none")]["final_reward_mean"] == pytest.approx(0.2)
+
+
+def record(i: int, time_s: float, wait: float, update: float, stall: float | None) -> dict:
+    out = {"step": i, "time_s": time_s, "learner_wait_s": wait, "time_update_s": update}
+    if stall is not None:
+        out["time_publish_stall_s"] = stall
+    return out
+
+
+def test_real_model_step_split_leaves_out_start_up_and_keeps_the_rest_of_the_step():
+    metrics = [
+        record(0, 60.0, wait=20.0, update=40.0, stall=0.1),  # start-up: left out
+        record(1, 90.0, wait=2.0, update=27.0, stall=0.2),
+        record(2, 120.0, wait=4.0, update=25.0, stall=0.4),
+    ]
+    split = real_model.step_split(metrics, skip=1)
+    # steps 1 and 2 run from t=60 to t=120: 30 s each
+    assert split["steps"] == 2 and split["first_step"] == 1
+    assert split["step_s"] == pytest.approx(30.0)
+    assert split["learner_wait_s"] == pytest.approx(3.0)
+    assert split["time_update_s"] == pytest.approx(26.0)
+    assert split["time_publish_stall_s"] == pytest.approx(0.3)
+    assert split["other_s"] == pytest.approx(0.7)  # logging, checkpoints, ...
+    assert split["shares"]["learner_wait_s"] == pytest.approx(0.1)
+    # from the learner's start when nothing is left out
+    assert real_model.step_split(metrics, skip=0)["step_s"] == pytest.approx(40.0)
+    with pytest.raises(ValueError, match="skip"):
+        real_model.step_split(metrics, skip=3)
+
+
+def test_real_model_step_split_names_a_phase_the_run_did_not_log():
+    metrics = [record(0, 10.0, 1.0, 8.0, None), record(1, 20.0, 1.0, 8.0, None)]
+    split = real_model.step_split(metrics, skip=1)
+    assert split["time_publish_stall_s"] is None
+    assert split["missing"] == ["time_publish_stall_s"]
+    assert split["other_s"] == pytest.approx(1.0)  # 10 - 1 - 8
