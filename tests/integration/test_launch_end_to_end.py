@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
+from run_processes import processes_of
 
 from asyncrl.status import read_metrics
 
@@ -23,14 +23,6 @@ def launch(run_dir: Path, *overrides: str, timeout: float = 600) -> subprocess.C
         *overrides, "--run-dir", str(run_dir),
     ]  # fmt: skip
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-
-
-def processes_of(run_dir: Path) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        if str(run_dir) in " ".join(process.info["cmdline"] or []):
-            found.append(process)
-    return found
 
 
 def mean(values: list[float]) -> float:

@@ -32,6 +32,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from run_processes import processes_of
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from asyncrl.status import read_metrics
@@ -94,14 +95,6 @@ def launch_arithmetic(
         *overrides, "--run-dir", str(run_dir),
     ]  # fmt: skip
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-
-
-def processes_of(run_dir: Path) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        if str(run_dir) in " ".join(process.info["cmdline"] or []):
-            found.append(process)
-    return found
 
 
 def trained_group_ids(run_dir: Path) -> dict[int, list[int]]:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from run_processes import processes_of
 
 from asyncrl.config import load_config
 from asyncrl.launch import stop_timeout_s
@@ -88,14 +89,6 @@ def trained_groups(run_dir: Path) -> dict[int, list[int]]:
         record = json.loads(line)
         steps[record["step"]] = record["group_ids"]
     return steps
-
-
-def processes_of(run_dir: Path) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        if str(run_dir) in " ".join(process.info["cmdline"] or []):
-            found.append(process)
-    return found
 
 
 def assert_each_group_trained_once(steps: dict[int, list[int]], total_steps: int) -> list[int]:
