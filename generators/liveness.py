@@ -52,7 +52,6 @@ class HeartbeatThread:
         """Heartbeats the buffer acknowledged."""
         self.missed = 0
         """Heartbeats that got no acknowledgement in time (the buffer busy or gone)."""
-        self.last_ack = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -80,7 +79,6 @@ class HeartbeatThread:
                     )
                 elif isinstance(reply, Ack):
                     self.sent += 1
-                    self.last_ack = time.monotonic()
                 else:
                     log.warning("the buffer answered a heartbeat with %r", reply)
         except zmq.ZMQError as error:  # the process is going down

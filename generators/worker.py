@@ -99,8 +99,6 @@ class GeneratorReplica:
         self.weights = WeightClient(context, weights_endpoint)
         self.active: list[Rollout] = []
         self.stopping = False
-        self.last_contact = float("-inf")
-        """``time.monotonic()`` of the last answer from the buffer."""
         self.stats = {"samples_sent": 0, "weight_swaps": 0, "weight_swap_latency_s": 0.0}
         self.stats["weight_load_s"] = 0.0
         self.stats["reward_errors"] = 0
@@ -199,16 +197,6 @@ class GeneratorReplica:
         else:
             log.warning("the buffer answered Leave with %r", reply)
 
-    def request(
-        self,
-        body: WorkRequest | Trajectories,
-        arrays: dict[str, np.ndarray] | None = None,
-    ):
-        """A request to the buffer, noted as the latest contact with it."""
-        reply = self.buffer.request(body, arrays)
-        self.last_contact = time.monotonic()
-        return reply
-
     def top_up(self) -> float | None:
         """Ask the buffer for as many samples as there is room for; returns its retry hint,
         or None when asked to stop while the buffer held the request."""
@@ -255,12 +243,12 @@ class GeneratorReplica:
         """The buffer's answer to a WorkRequest for ``room`` samples, or None if asked to stop.
 
         An idle replica lets the buffer hold the request until work is admitted, for
-        up to ``buffer.heartbeat_interval_s``,
-        and checks every ``STOP_POLL_S`` whether it should stop. A request given up
+        up to ``buffer.heartbeat_interval_s``, and checks every ``STOP_POLL_S``
+        whether it should stop. A request given up
         that way is answered anyway, when the replica says ``Leave``.
         """
         if not self.idle():
-            grant, _ = self.request(WorkRequest(self.generator_id, room))
+            grant, _ = self.buffer.request(WorkRequest(self.generator_id, room))
             assert isinstance(grant, WorkGrant), grant
             return grant
         wait_s = self.config.buffer.heartbeat_interval_s
@@ -278,7 +266,6 @@ class GeneratorReplica:
                         f"{wait_s + self.buffer.timeout_s:.0f}s of a held work request"
                     ) from None
                 continue
-            self.last_contact = time.monotonic()
             assert isinstance(grant, WorkGrant), grant
             return grant
 
@@ -323,7 +310,7 @@ class GeneratorReplica:
         # the replica's own counters ride along, so the run's metrics show them
         self.stats["wall_s"] = time.monotonic() - self.started_at
         stats = {key: float(value) for key, value in self.stats.items()}
-        ack, _ = self.request(Trajectories(metas, stats, self.pool), arrays)
+        ack, _ = self.buffer.request(Trajectories(metas, stats, self.pool), arrays)
         assert isinstance(ack, Ack), ack
         self.stats["samples_sent"] += len(rollouts)
 
