@@ -11,6 +11,20 @@ cd "$(dirname "$0")/.."
 extras="${1:-}"
 python="${PYTHON:-python3}"
 
+# bubblewrap: the python tool runs model-written code under it (docs/security.md),
+# and a run with that tool refuses to start without it.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$EUID" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing bubblewrap (the python tool's sandbox)"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      bubblewrap >/dev/null
+  else
+    echo "note: bubblewrap (bwrap) is missing; the python tool's sandbox needs it:" \
+      "sudo apt-get install bubblewrap (or your distribution's bubblewrap package)"
+  fi
+fi
+
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 # shellcheck disable=SC1091
 . .venv/bin/activate

@@ -21,7 +21,13 @@ from asyncrl.envs.config import EnvironmentConfig, environment_factory
 from asyncrl.envs.formatting import ChatMLFormatter, Codec, PlainTextFormatter, TurnFormatter
 from asyncrl.envs.loading import PluginError, load_object
 from asyncrl.envs.rollout import EpisodeRunner, Trajectory, TurnRequest, run_episode
-from asyncrl.envs.sandbox import Sandbox, SandboxResult
+from asyncrl.envs.sandbox import (
+    Sandbox,
+    SandboxResult,
+    SandboxUnavailable,
+    check_isolation,
+    check_isolation_for,
+)
 from asyncrl.envs.threads import StepPool
 from asyncrl.envs.tool_calls import (
     HermesToolCallParser,
@@ -79,6 +85,7 @@ __all__ = [
     "PluginError",
     "Sandbox",
     "SandboxResult",
+    "SandboxUnavailable",
     "ScoreRequest",
     "StepPool",
     "StepResult",
@@ -91,6 +98,8 @@ __all__ = [
     "Trajectory",
     "TurnFormatter",
     "TurnRequest",
+    "check_isolation",
+    "check_isolation_for",
     "environment_factory",
     "load_environment",
     "load_object",

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from asyncrl.envs.base import Environment
+from asyncrl.envs.sandbox import ISOLATIONS, Sandbox
 
 
 class EnvironmentConfig(BaseModel):
@@ -30,6 +31,11 @@ class EnvironmentConfig(BaseModel):
     """Wall-clock limit of one `python` tool call."""
     python_memory_mb: int = Field(512, ge=16)
     """Address-space limit of one `python` tool call."""
+    python_isolation: Literal["bubblewrap", "none"] = "bubblewrap"
+    """How the `python` tool isolates model-written code: `bubblewrap` (namespaces,
+    a read-only minimal filesystem, seccomp, rlimits; the launcher refuses to start
+    when it cannot be set up) or `none` (a plain subprocess with rlimits: trusted
+    code only). See docs/security.md."""
     formatter: Literal["chatml", "plain", "template", "auto"] = "auto"
     """How turns are rendered to text: `template` (the model's own chat template, each
     reply the template's delta after the model's turn), `chatml` (Qwen/Hermes ChatML
@@ -45,6 +51,17 @@ class EnvironmentConfig(BaseModel):
     kwargs: dict[str, Any] = {}
     """Extra keyword arguments for the environment's constructor (for `tools`:
     `compute_score`, `parser`, `system_prompt`, `max_calls_per_turn`, ...)."""
+
+    @field_validator("python_isolation", mode="before")
+    @classmethod
+    def _known_isolation(cls, value: Any) -> Any:
+        if value not in ISOLATIONS:
+            raise ValueError(
+                f"python_isolation must be 'bubblewrap' (model code runs in a bubblewrap "
+                f"sandbox; the default) or 'none' (no isolation, trusted code only), "
+                f"got {value!r}"
+            )
+        return value
 
     @field_validator("name")
     @classmethod
@@ -64,17 +81,46 @@ def environment_factory(
     :class:`~asyncrl.envs.base.ScoreRequest` when its reward function has a name,
     for the caller's reward workers to score (the generator replica asks for this)."""
     from asyncrl.envs import load_environment
+    from asyncrl.envs.tools import python_tool
 
     if config.name == "tools":
-        kwargs = {
-            "tools": list(config.tools),
-            "max_turns": config.max_turns,
-            "python_timeout_s": config.python_timeout_s,
-            "python_memory_mb": config.python_memory_mb,
-            **config.kwargs,
-            "defer_score": defer_score,
-        }
+        kwargs = {**_tools_kwargs(config), "defer_score": defer_score}
+        sandbox = python_sandbox(config)
+        if sandbox is not None:
+            # One python tool, with the configured isolation, for every episode.
+            tool = python_tool(sandbox=sandbox)
+            kwargs["tools"] = [tool if entry == "python" else entry for entry in kwargs["tools"]]
     else:
         kwargs = dict(config.kwargs)
     load_environment(config.name, **kwargs)  # fail early
     return lambda: load_environment(config.name, **kwargs)
+
+
+def _tools_kwargs(config: EnvironmentConfig) -> dict[str, Any]:
+    """The constructor arguments of the built-in `tools` environment."""
+    return {
+        "tools": list(config.tools),
+        "max_turns": config.max_turns,
+        "python_timeout_s": config.python_timeout_s,
+        "python_memory_mb": config.python_memory_mb,
+        **config.kwargs,
+    }
+
+
+def python_sandbox(config: EnvironmentConfig) -> Sandbox | None:
+    """The :class:`~asyncrl.envs.sandbox.Sandbox` the built-in `python` tool of this
+    environment runs code in; None when the environment has no such tool (a
+    `module:Class` environment, or `tools` without `python`). Building one with
+    `python_isolation: none` logs the warning."""
+    if config.name != "tools":
+        return None
+    kwargs = _tools_kwargs(config)
+    if "python" not in kwargs["tools"]:
+        return None
+    from asyncrl.envs.tools import python_sandbox_for
+
+    return python_sandbox_for(
+        timeout_s=kwargs["python_timeout_s"],
+        memory_mb=kwargs["python_memory_mb"],
+        isolation=config.python_isolation,
+    )

@@ -13,7 +13,8 @@ subset of JSON Schema that tool schemas use: ``type``, ``properties``,
 when they do not fit, or when the tool itself reports a problem.
 
 Built in: ``calculator`` (safe arithmetic, no ``eval``) and ``python`` (code run
-in :class:`~asyncrl.envs.sandbox.Sandbox`). :func:`build_tools` makes tools from
+in :class:`~asyncrl.envs.sandbox.Sandbox`, bubblewrap-isolated unless
+``isolation="none"``). :func:`build_tools` makes tools from
 names: a built-in name, or ``module:attr`` naming a :class:`Tool` or a
 function returning one.
 """
@@ -138,8 +139,10 @@ def format_sandbox_output(result: SandboxResult, timeout_s: float | None = None)
     if result.timed_out:
         limit = f" of {timeout_s:g}s" if timeout_s is not None else ""
         parts.append(f"[killed: time limit{limit} reached]")
-    elif result.returncode is None or result.returncode < 0:
-        parts.append(f"[killed by signal {-(result.returncode or 0)}]")
+    elif result.returncode is None:
+        parts.append("[not run]")
+    elif result.returncode < 0:
+        parts.append(f"[killed by signal {-result.returncode}]")
     elif result.returncode != 0:
         parts.append(f"[exit code {result.returncode}]")
     if result.truncated:
@@ -147,22 +150,38 @@ def format_sandbox_output(result: SandboxResult, timeout_s: float | None = None)
     return "\n".join(parts) if parts else "(no output; use print() to show values)"
 
 
-def python_tool(
-    timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 4096, **sandbox
-) -> Tool:
-    limits = Sandbox(
-        timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_bytes, **sandbox
+def python_sandbox_for(
+    timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 4096, **options: Any
+) -> Sandbox:
+    """The :class:`~asyncrl.envs.sandbox.Sandbox` of a ``python`` tool with these
+    limits; ``options`` are the other ``Sandbox`` fields (``isolation``, ...)."""
+    return Sandbox(
+        timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_bytes, **options
     )
 
-    def run(code: str) -> str:
-        return format_sandbox_output(limits.run(code), timeout_s)
 
+def python_tool(
+    timeout_s: float = 5.0,
+    memory_mb: int = 512,
+    max_output_bytes: int = 4096,
+    *,
+    sandbox: Sandbox | None = None,
+    **options: Any,
+) -> Tool:
+    """The ``python`` tool: code run in ``sandbox``, or in a new
+    ``Sandbox(timeout_s, memory_mb, max_output_bytes, **options)``."""
+    box = sandbox or python_sandbox_for(timeout_s, memory_mb, max_output_bytes, **options)
+
+    def run(code: str) -> str:
+        return format_sandbox_output(box.run(code), box.timeout_s)
+
+    walls = "no network, " if box.isolation != "none" else ""
     return Tool(
         name="python",
         description=(
             f"Run a Python 3 program and return what it prints (stdout and stderr). "
-            f"Standard library only, no network, {timeout_s:g}s and {memory_mb} MB limits; "
-            f"each call starts fresh in an empty directory."
+            f"Standard library only, {walls}{box.timeout_s:g}s and {box.memory_mb} MB "
+            f"limits; each call starts fresh in an empty directory."
         ),
         parameters={
             "type": "object",
@@ -185,8 +204,11 @@ def build_tools(
     *,
     python_timeout_s: float = 5.0,
     python_memory_mb: int = 512,
+    python_isolation: str = "bubblewrap",
 ) -> dict[str, Tool]:
-    """Tools by name, in order. A name is a built-in, ``module:attr`` or a :class:`Tool`."""
+    """Tools by name, in order. A name is a built-in, ``module:attr`` or a :class:`Tool`.
+    ``python_isolation``: the ``python`` tool's sandbox, ``bubblewrap`` or ``none``
+    (trusted code only)."""
     from asyncrl.envs.loading import PluginError, load_object
 
     tools: dict[str, Tool] = {}
@@ -194,7 +216,9 @@ def build_tools(
         if isinstance(entry, Tool):
             tool = entry
         elif entry == "python":
-            tool = python_tool(timeout_s=python_timeout_s, memory_mb=python_memory_mb)
+            tool = python_tool(
+                timeout_s=python_timeout_s, memory_mb=python_memory_mb, isolation=python_isolation
+            )
         elif entry in BUILTIN_TOOLS:
             tool = BUILTIN_TOOLS[entry]()
         elif isinstance(entry, str) and ":" in entry:

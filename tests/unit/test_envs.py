@@ -442,6 +442,48 @@ def test_environment_config_and_factory():
         environment_factory(EnvironmentConfig(name="no_such_module_xyz:Env"))
 
 
+def test_the_python_tools_isolation_setting(caplog):
+    from asyncrl.envs import check_isolation_for
+    from asyncrl.envs.config import python_sandbox
+
+    config = EnvironmentConfig(name="tools", python_timeout_s=2, python_memory_mb=128)
+    assert config.python_isolation == "bubblewrap"
+    sandbox = python_sandbox(config)
+    assert (sandbox.isolation, sandbox.timeout_s, sandbox.memory_mb) == ("bubblewrap", 2, 128)
+    with pytest.raises(ValueError, match=r"python_isolation must be 'bubblewrap'.*or 'none'"):
+        EnvironmentConfig(name="tools", python_isolation="off")
+    assert python_sandbox(EnvironmentConfig(name="tools", tools=["calculator"])) is None
+    assert python_sandbox(EnvironmentConfig(name=f"{EXAMPLE}:GuessNumberEnv")) is None
+
+    # The launcher's check: a probe where the tool is sandboxed, nothing otherwise.
+    check_isolation_for(config)
+    check_isolation_for(EnvironmentConfig(name="tools", tools=["calculator"]))
+
+    trusted = EnvironmentConfig(name="tools", tools=["python"], python_isolation="none")
+    with caplog.at_level("WARNING", logger="asyncrl.envs.sandbox"):
+        assert check_isolation_for(trusted) is None
+        env = environment_factory(trusted)()
+    assert "ISOLATION IS OFF" in caplog.text
+    assert "no network" not in env.tools["python"].description
+    assert env.tools["python"].call({"code": "print(6 * 7)"}) == "42"
+
+
+def test_check_isolation_for_refuses_when_bubblewrap_is_missing(monkeypatch):
+    from types import SimpleNamespace
+
+    from asyncrl.envs import SandboxUnavailable, check_isolation_for
+    from asyncrl.envs import sandbox as sandbox_module
+
+    monkeypatch.setattr(sandbox_module, "_which", lambda name: None)
+    run = SimpleNamespace(environment=EnvironmentConfig(name="tools", tools=["python"]))
+    with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap"):
+        check_isolation_for(run)
+    assert check_isolation_for(SimpleNamespace(environment=None)) is None
+    env = environment_factory(run.environment)()  # builds; each call refuses to run code
+    output = env.tools["python"].call({"code": "print(1)"})
+    assert "the code was not run" in output and output.endswith("[not run]")
+
+
 def test_a_named_reward_function_can_be_left_to_the_driver():
     """``defer_score``: the final answer comes back as a ScoreRequest (the replica's
     reward workers score it); a Python callable has no name, so it is still called."""

@@ -1,23 +1,44 @@
 """The Python sandbox stops runaway code: time, memory, network, output, files.
 
-Each network test asserts the call FAILS whichever layer applied (a network
-namespace, the audit hook, or both); ``layers`` says which did.
+It runs under bubblewrap (``layers`` says what applied); when bubblewrap cannot
+be used the code is not run at all. The attacks it stops are in
+``test_sandbox_escapes.py``.
 """
 
 from __future__ import annotations
 
+import ast
+import logging
 import os
+import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from asyncrl.envs.sandbox import Sandbox
+from asyncrl.envs import sandbox as sandbox_module
+from asyncrl.envs.sandbox import Sandbox, SandboxUnavailable, check_isolation
 from asyncrl.envs.tools import format_sandbox_output
 
 FAST = {"timeout_s": 1.5, "memory_mb": 256}
+BUBBLEWRAP_LAYERS = {"bubblewrap", "user", "pid", "net", "mount", "seccomp", "rlimits"}
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the sandbox needs Linux namespaces"
+)
+
+
+@pytest.fixture(autouse=True)
+def _bubblewrap_is_installed():
+    if shutil.which("bwrap") is None:
+        pytest.fail(
+            "bubblewrap (bwrap) is not installed, so the sandbox cannot run: "
+            "apt-get install bubblewrap (or bash scripts/setup.sh as root)"
+        )
 
 
 def test_normal_code_returns_its_output():
@@ -27,8 +48,8 @@ def test_normal_code_returns_its_output():
     assert result.ok and result.returncode == 0
     assert (result.stdout, result.stderr) == ("45\n", "note\n")
     assert not result.timed_out and not result.truncated
-    assert "rlimits" in result.layers
-    assert {"netns", "userns+netns", "audit"} & set(result.layers)
+    assert set(result.layers) >= BUBBLEWRAP_LAYERS, result.layers
+    assert ("separate-user" in result.layers) == (os.geteuid() == 0)
 
 
 def test_an_exception_is_a_traceback_of_the_users_code_only():
@@ -82,6 +103,7 @@ def test_memory_under_the_limit_is_fine():
 
 NETWORK_PROBE = """
 import socket
+import subprocess
 for address in [("127.0.0.1", {port}), ("1.1.1.1", 53), ("8.8.8.8", 443)]:
     try:
         socket.create_connection(address, timeout=1).close()
@@ -113,29 +135,19 @@ def listener():
     server.close()
 
 
-@pytest.mark.parametrize("network", ["auto", "namespace", "audit"])
-def test_network_calls_fail(listener, network):
+def test_network_calls_fail(listener):
     port = listener.getsockname()[1]
-    result = Sandbox(timeout_s=5, memory_mb=256, network=network).run(
-        NETWORK_PROBE.format(port=port)
-    )
+    result = Sandbox(timeout_s=5, memory_mb=256).run(NETWORK_PROBE.format(port=port))
     assert result.ok, result.stderr
     assert "CONNECTED" not in result.stdout and "RESOLVED" not in result.stdout
     assert result.stdout.count("BLOCKED") == 5, result.stdout
     with pytest.raises(BlockingIOError):
         listener.accept()  # nothing ever reached the test's port
-    namespace = {"netns", "userns+netns"} & set(result.layers)
-    if network == "audit":
-        assert "audit" in result.layers and not namespace
-    elif network == "namespace":
-        # The namespace alone, or the audit hook as the fallback where none can be made.
-        assert bool(namespace) != ("audit" in result.layers), result.notes
-    else:
-        assert "audit" in result.layers
+    assert {"net", "seccomp"} <= set(result.layers)
 
 
 def test_it_cannot_raise_its_own_limits():
-    result = Sandbox(**FAST, network="namespace").run(
+    result = Sandbox(**FAST).run(
         "import resource\n"
         "try:\n"
         "    resource.setrlimit(resource.RLIMIT_AS, (-1, -1))\n"
@@ -146,22 +158,93 @@ def test_it_cannot_raise_its_own_limits():
     assert result.stdout.startswith("REFUSED"), (result.stdout, result.layers)
 
 
-def test_scratch_directory_is_the_cwd_and_is_removed(monkeypatch):
+def test_seccomp_refuses_what_a_sandbox_never_needs():
+    result = Sandbox(**FAST).run(
+        "import ctypes, os, socket\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "x86 = os.uname().machine == 'x86_64'\n"
+        "calls = {\n"
+        "    'unshare': lambda: libc.unshare(0x10000000),\n"
+        "    'ptrace': lambda: libc.ptrace(16, 1, 0, 0),\n"  # PTRACE_ATTACH to pid 1
+        "    'mount': lambda: libc.mount(b'none', b'/tmp', b'tmpfs', 0, None),\n"
+        "    'io_uring_setup': lambda: libc.syscall(425, 1, None),\n"  # x86_64 and arm64
+        "    'bpf': lambda: libc.syscall(321 if x86 else 280, 0, 0, 0),\n"
+        "    'keyctl': lambda: libc.syscall(250 if x86 else 219, 0),\n"
+        "}\n"
+        "for name, call in calls.items():\n"
+        "    print(name, call(), ctypes.get_errno())\n"
+        "for family in ('AF_INET', 'AF_INET6', 'AF_NETLINK', 'AF_PACKET'):\n"
+        "    try:\n"
+        "        socket.socket(getattr(socket, family), socket.SOCK_DGRAM).close()\n"
+        "        print(family, 'OPENED')\n"
+        "    except OSError as exc:\n"
+        "        print(family, -1, exc.errno)\n"
+        "a, b = socket.socketpair()\n"  # AF_UNIX stays
+        "a.sendall(b'ok'); print('unix', b.recv(2).decode())\n"
+    )
+    assert result.ok, result
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "unix ok"
+    for line in lines[:-1]:
+        _name, returned, error = line.split()
+        assert (returned, error) == ("-1", "1"), line  # EPERM
+
+
+def test_processes_are_limited():
+    result = Sandbox(timeout_s=5, memory_mb=256, max_processes=8).run(
+        "import os, time\n"
+        "started = 0\n"
+        "try:\n"
+        "    for _ in range(100):\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(10)\n"
+        "            os._exit(0)\n"
+        "        started += 1\n"
+        "except OSError as exc:\n"
+        "    print('REFUSED', exc.errno)\n"
+        "print(started)\n"
+    )
+    assert result.stdout.startswith("REFUSED 11"), result  # EAGAIN
+    assert int(result.stdout.split()[-1]) < 8
+
+
+def test_a_private_tmp_is_the_cwd_and_the_environment_is_minimal(monkeypatch):
     monkeypatch.setenv("ASYNCRL_TEST_SECRET", "hunter2")
+
+    def no_host_scratch(*args, **kwargs):
+        raise AssertionError("bubblewrap runs need no host scratch directory")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", no_host_scratch)
     result = Sandbox(**FAST).run(
         "import os\n"
         "open('notes.txt', 'w').write('hi')\n"
         "print(os.getcwd())\n"
         "print(sorted(os.listdir('.')))\n"
         "print(os.environ.get('HOME'), sorted(os.environ))\n"
+        "print(sorted(os.listdir('/')), os.getuid(), os.getgid())\n"
     )
     assert result.ok, result.stderr
-    cwd, listing, env = result.stdout.splitlines()
-    assert os.path.basename(cwd).startswith("asyncrl-sandbox-")
-    assert os.path.dirname(cwd) == tempfile.gettempdir()
+    cwd, listing, env, root = result.stdout.splitlines()
+    assert cwd == "/tmp"
     assert listing == "['main.py', 'notes.txt']"
-    assert env.startswith(cwd + " ") and "ASYNCRL_TEST_SECRET" not in env
-    assert not os.path.exists(cwd)
+    assert env == "/tmp ['HOME', 'LANG', 'PATH', 'PWD', 'TMPDIR']"  # PWD: set by bwrap
+    entries, ids = root.split("] ")
+    assert ids == "65534 65534"
+    entries = set(ast.literal_eval(entries + "]"))
+    assert {"dev", "etc", "proc", "tmp", "usr"} <= entries
+    assert entries <= {
+        "bin",
+        "sbin",
+        "lib",
+        "lib64",
+        "lib32",
+        "libx32",
+        "dev",
+        "etc",
+        "proc",
+        "tmp",
+        "usr",
+    }
 
 
 def test_output_is_truncated():
@@ -200,18 +283,107 @@ def test_runs_in_parallel_threads_are_independent():
 def test_bad_limits_are_rejected():
     with pytest.raises(ValueError):
         Sandbox(timeout_s=0)
+    with pytest.raises(ValueError, match="bubblewrap"):
+        Sandbox(isolation="off")
     with pytest.raises(ValueError):
-        Sandbox(network="off")
+        Sandbox(tmp_mb=0)
 
 
-def test_without_a_network_namespace_the_audit_hook_takes_over(listener, monkeypatch):
-    from asyncrl.envs import sandbox
+def test_isolation_none_warns_and_runs_a_plain_subprocess(caplog):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.envs.sandbox"):
+        sandbox = Sandbox(**FAST, isolation="none")
+    assert "ISOLATION IS OFF" in caplog.text and "trusted code only" in caplog.text
+    assert sandbox.python == sys.executable
+    result = sandbox.run("import os\nprint(os.getcwd())\nprint(sorted(os.listdir('.')))")
+    assert result.ok and result.layers == ("rlimits",), result
+    cwd, listing = result.stdout.splitlines()
+    assert os.path.basename(cwd).startswith("asyncrl-sandbox-") and listing == "['main.py']"
+    assert not os.path.exists(cwd)  # the scratch directory is removed
+    memory = sandbox.run("hog = bytearray(2 * 1024 ** 3)\n")
+    assert "MemoryError" in memory.stderr  # the rlimits still hold
 
-    monkeypatch.setattr(sandbox, "NAMESPACE_ATTEMPTS", [("netns", -1)])  # EINVAL
-    port = listener.getsockname()[1]
-    result = Sandbox(timeout_s=5, memory_mb=256, network="namespace").run(
-        NETWORK_PROBE.format(port=port)
+
+def test_without_bubblewrap_the_code_is_not_run(tmp_path):
+    marker = tmp_path / "ran"
+    sandbox = Sandbox(**FAST, bwrap="/nonexistent/bwrap")
+    result = sandbox.run(f"open({str(marker)!r}, 'w')")
+    assert result.returncode is None and not result.ok and not marker.exists()
+    assert "the code was not run" in result.stderr
+    assert "apt-get install bubblewrap" in result.stderr
+    assert format_sandbox_output(result).endswith("[not run]")
+    with pytest.raises(SandboxUnavailable) as caught:
+        check_isolation(sandbox)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "apt-get install bubblewrap" in message and "user namespaces" in message
+    assert "Docker" in message
+
+
+@pytest.fixture
+def fake_bwrap():
+    """A bwrap that fails its set-up as a kernel without user namespaces makes it."""
+    folder = tempfile.mkdtemp(prefix="asyncrl-fake-bwrap-", dir="/var/tmp")
+    os.chmod(folder, 0o755)
+    path = os.path.join(folder, "bwrap")
+    with open(path, "w") as f:
+        f.write(
+            "#!/bin/sh\n"
+            "echo 'bwrap: No permissions to create new namespace, likely because the "
+            "kernel does not allow non-privileged user namespaces.' >&2\n"
+            "exit 1\n"
+        )
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_bubblewrap_set_up_failure_is_not_run_and_says_why(fake_bwrap, caplog):
+    sandbox = Sandbox(**FAST, bwrap=fake_bwrap)
+    with caplog.at_level(logging.ERROR, logger="asyncrl.envs.sandbox"):
+        result = sandbox.run("print(1)")
+    assert result.returncode is None and result.stdout == ""
+    assert "could not set up the sandbox: bwrap: No permissions" in result.stderr
+    with pytest.raises(SandboxUnavailable, match="No permissions to create new namespace"):
+        check_isolation(sandbox)
+
+
+def test_check_isolation_passes_where_bubblewrap_works():
+    check_isolation()
+    check_isolation(Sandbox(**FAST))
+    check_isolation(Sandbox(**FAST, isolation="none"))  # nothing to check
+
+
+def test_the_sandbox_interpreter_is_one_the_sandbox_user_can_reach(tmp_path):
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "python").write_text("")
+    (private / "python").chmod(0o755)
+    if os.geteuid() == 0:
+        assert not sandbox_module._can_reach(str(private / "python"), 65534, 65534, os.X_OK)
+    assert sandbox_module._can_reach("/usr/bin/env", 65534, 65534, os.X_OK)
+    python = Sandbox().python
+    uid, gid = (65534, 65534) if os.geteuid() == 0 else (None, None)
+    assert sandbox_module._can_reach(python, uid, gid, os.R_OK | os.X_OK)
+    assert python in (os.path.realpath(sys.executable), sandbox_module.FALLBACK_PYTHON)
+    result = Sandbox(**FAST).run("import sys\nprint(sys.executable, sys.flags.isolated)")
+    assert result.stdout == f"{python} 1\n", result
+
+
+def test_check_isolation_where_namespaces_are_denied():
+    from test_sandbox_escapes import DENY_NAMESPACES
+
+    check = (
+        "from asyncrl.envs.sandbox import SandboxUnavailable, check_isolation\n"
+        "try:\n"
+        "    check_isolation()\n"
+        "    print('PASSED')\n"
+        "except SandboxUnavailable as exc:\n"
+        "    print('REFUSED', exc)\n"
     )
-    assert "audit" in result.layers and "netns" not in result.layers
-    assert result.notes and "unshare failed" in result.notes[0]
-    assert "CONNECTED" not in result.stdout and result.stdout.count("BLOCKED") == 5
+    host = subprocess.run(
+        [sys.executable, "-c", DENY_NAMESPACES + check], capture_output=True, text=True, timeout=60
+    )
+    assert host.stdout.startswith("REFUSED"), (host.stdout, host.stderr)
+    assert host.stdout.count("\n") == 1  # one line
+    assert "bwrap: No permissions to create new namespace" in host.stdout
+    assert "apt-get install bubblewrap" in host.stdout and "Docker" in host.stdout
