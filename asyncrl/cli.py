@@ -114,6 +114,14 @@ def _generator(config, buffer: str, pool: str, work_dir: Path) -> int:
     if pool not in pools:
         print(f"asyncrl: --pool {pool!r} is not in the config; its pools: {pools}", file=sys.stderr)
         return 2
+    if config.environment is not None:  # model code would run unisolated: refused
+        from asyncrl.envs.sandbox import SandboxUnavailable, check_isolation_for
+
+        try:
+            check_isolation_for(config)
+        except SandboxUnavailable as error:
+            print(f"asyncrl: {error}", file=sys.stderr)
+            return 2
     join(config, buffer, pool, work_dir)
     return 0
 
@@ -160,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "generator":
         return _generator(config, args.buffer, args.pool, args.work_dir)
+    from asyncrl.envs.sandbox import SandboxUnavailable
     from asyncrl.launch import launch
     from asyncrl.security import SecurityError
 
@@ -167,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         if resume is not None:
             return launch(config, resume, resume=True, quiet=args.quiet)
         return launch(config, args.run_dir, quiet=args.quiet)
-    except SecurityError as error:
+    except (SecurityError, SandboxUnavailable) as error:
         print(f"asyncrl: {error}", file=sys.stderr)
         return 2
 

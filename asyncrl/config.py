@@ -122,6 +122,20 @@ class RewardConfig(_Section):
     """A sample whose reward takes longer scores 0, tagged `error:timeout`."""
     workers: int = Field(1, ge=1)
     """Scoring processes per generator replica."""
+    min: float = Field(-10.0, allow_inf_nan=False)
+    """The lowest reward a sample may carry. The buffer refuses a generator's message with a
+    reward below `min`, above `max` or not finite (`buffer_rejected_bad_reward`), so no peer
+    can feed the learner a reward far outside the task's scale. The shipped reward functions
+    score in [0, 1] and the shipped environments' episodes in [0, 1]; widen the range for a
+    task whose rewards (or an environment's summed step rewards) go beyond [-10, 10]."""
+    max: float = Field(10.0, allow_inf_nan=False)
+    """The highest reward a sample may carry (see `min`)."""
+
+    @model_validator(mode="after")
+    def _range(self) -> RewardConfig:
+        if self.min > self.max:
+            raise ValueError(f"reward.min={self.min} is above reward.max={self.max}")
+        return self
 
 
 class AlgorithmConfig(_Section):
@@ -350,7 +364,13 @@ class ClusterConfig(_Section):
     """Encrypt and authenticate every connection with ZeroMQ CURVE; `auto`: when `bind`
     is not loopback (it cannot be turned off there)."""
     keys_dir: str | None = None
-    """Folder of the CURVE keys (`asyncrl keys DIR` writes DIR/keys); empty: RUN_DIR/keys."""
+    """Folder of the run's credentials: the per-run secret the launcher writes (loopback), or
+    the CURVE keys `asyncrl keys DIR` writes into DIR/keys; empty: RUN_DIR/keys."""
+    auth: bool = True
+    """Every peer proves it belongs to the run (loopback: a per-run secret; beyond: CURVE)
+    and is served only its role's requests. false: any local process may feed the learner
+    and read the weights (trusted single-user machines only; it cannot be turned off
+    beyond loopback)."""
 
     @property
     def bind_address(self) -> str:
@@ -375,6 +395,12 @@ class ClusterConfig(_Section):
 
     @model_validator(mode="after")
     def _curve_beyond_loopback(self) -> ClusterConfig:
+        if not self.auth and self.uses_curve:
+            raise ValueError(
+                f"cluster.auth=false with cluster.bind={self.bind_address}"
+                f"{' and cluster.curve=true' if self.curve is True else ''}: CURVE "
+                "authenticates every peer; drop cluster.auth, or bind to 127.0.0.1 without curve"
+            )
         if self.curve is False and not self.binds_loopback:
             raise ValueError(
                 f"cluster.curve=false with cluster.bind={self.bind_address}: an endpoint "

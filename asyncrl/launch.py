@@ -19,14 +19,27 @@ learner     any other status                   stop the run, show its log's tail
 buffer      any status                         stop the run, show its log's tail
 =========== ================================== =====================================
 
+Every process gets the config the launcher validated, from the launcher's
+memory (``ASYNCRL_CONFIG``, :func:`asyncrl.roles.config_env`), at its first
+start and at every restart: ``RUN_DIR/config.yaml`` is written for people and
+``asyncrl status``, and no process the launcher starts reads it back.
+
+With ``learner.world_size`` N > 1 the launcher starts the N learner ranks
+itself (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), which
+form their process group through a file store in a fresh directory only this
+user can enter (:class:`RankGroup`): no rendezvous server listens on the
+network, as torchrun's would. The ranks are supervised as one learner: it
+failed as soon as any rank exits with another status than 0, and finished
+once every rank exited with 0.
+
 Stopping (completion, failure, SIGINT/SIGTERM/SIGHUP) goes in dependency
 order, all within :func:`stop_timeout_s`: generators first (each finishes its
-chunk), then the learner (on SIGTERM it checkpoints its last complete step,
-which needs the buffer), then the buffer; whatever is left is killed, the
-learner's torchrun ranks included. Every child runs in its own session, so a
-Ctrl-C reaches the launcher alone and the stop stays in that order, and it
-gets SIGTERM if the launcher dies (``PR_SET_PDEATHSIG``). The launcher is a
-child subreaper, so a rank orphaned by its torchrun is still its to kill.
+chunk), then the learner (every rank gets SIGTERM; it checkpoints its last
+complete step, which needs the buffer), then the buffer; whatever is left is
+killed. Every child runs in its own session, so a Ctrl-C reaches the launcher
+alone and the stop stays in that order, and it gets SIGTERM if the launcher
+dies (``PR_SET_PDEATHSIG``). The launcher is a child subreaper, so a process
+orphaned under a role (a reward worker) is still its to kill.
 """
 
 from __future__ import annotations
@@ -34,9 +47,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,7 +65,8 @@ from asyncrl.config import Config, save_config
 from asyncrl.console import ReplicaHealth, RunConsole, open_console
 from asyncrl.learner.final_eval import FINAL_EVAL
 from asyncrl.paths import latest_checkpoint, replica_name
-from asyncrl.security import resolve_keys
+from asyncrl.roles import LEARNER_STORE_ENV, config_env
+from asyncrl.security import provision_run_secret, resolve_keys
 from asyncrl.transport import free_port
 
 TICK_S = 0.2
@@ -154,6 +171,40 @@ class Replica:
         return delay
 
 
+class RankGroup:
+    """The learner's rank processes, supervised as one process (as torchrun's agent was).
+
+    :meth:`poll` is the status of the first rank that exited with another status
+    than 0 (the learner failed: the launcher stops every rank), 0 once every rank
+    exited with 0, else None.
+    """
+
+    def __init__(self, ranks: list[subprocess.Popen]):
+        self.ranks = ranks
+
+    @property
+    def pid(self) -> int:
+        return self.ranks[0].pid
+
+    def poll(self) -> int | None:
+        codes = [rank.poll() for rank in self.ranks]
+        if (rank := self.failed_rank()) is not None:
+            return codes[rank]
+        return None if None in codes else 0
+
+    def failed_rank(self) -> int | None:
+        """The first rank that exited with another status than 0."""
+        for rank, process in enumerate(self.ranks):
+            if process.poll() not in (None, 0):
+                return rank
+        return None
+
+
+def members(process: subprocess.Popen | RankGroup) -> list[subprocess.Popen]:
+    """The processes behind an entry of :attr:`Supervisor.processes`."""
+    return process.ranks if isinstance(process, RankGroup) else [process]
+
+
 class Supervisor:
     """The run's process table: starts, restarts and stops its processes."""
 
@@ -162,26 +213,58 @@ class Supervisor:
         self.run_dir = run_dir
         self.notify = notify
         """Where events (a generator exited, restarted) are reported."""
-        self.processes: dict[str, subprocess.Popen] = {}
+        self.processes: dict[str, subprocess.Popen | RankGroup] = {}
         self.replicas: dict[str, Replica] = {}
+        self.handed = config_env(config)
+        """Added to every child's environment: the config from memory (``ASYNCRL_CONFIG``)."""
+        self.store_dir: Path | None = None
+        """The private directory of the learner ranks' file store (more than one rank)."""
 
     # ------------------------------------------------------------------ start
 
     def start(self, name: str, role: str, *extra: str, ranks: int = 1) -> None:
-        """Start ``python -m asyncrl.roles ROLE RUN_DIR``; with ``ranks`` > 1 under torchrun."""
+        """Start ``python -m asyncrl.roles ROLE RUN_DIR``; with ``ranks`` > 1, one such
+        process per learner rank, held together as a :class:`RankGroup`."""
         command = [sys.executable, "-m", "asyncrl.roles", role, str(self.run_dir), *extra]
-        if ranks > 1:
-            torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-            command = [*torchrun, f"--nproc-per-node={ranks}", *command[1:]]
+        if ranks == 1:
+            self.processes[name] = self._spawn(name, command)
+            return
+        group = {
+            "WORLD_SIZE": str(ranks),
+            "LOCAL_WORLD_SIZE": str(ranks),
+            LEARNER_STORE_ENV: str(self._fresh_store()),
+        }
+        if "OMP_NUM_THREADS" not in os.environ:
+            group["OMP_NUM_THREADS"] = "1"  # as torchrun sets it for several ranks
+        self.processes[name] = RankGroup(
+            [
+                self._spawn(name, command, {**group, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+                for rank in range(ranks)
+            ]
+        )
+
+    def _spawn(
+        self, name: str, command: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
         with self.log_path(name).open("a") as log_file:
-            self.processes[name] = subprocess.Popen(
+            return subprocess.Popen(
                 command,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
+                env={**os.environ, **self.handed, **(env or {})},
             )
+
+    def _fresh_store(self) -> Path:
+        """A path for the ranks' FileStore, in a directory of mode 0700 (``mkdtemp``), with
+        nothing at it: a store left by an earlier group would mislead the new one."""
+        if self.store_dir is None:
+            self.store_dir = Path(tempfile.mkdtemp(prefix="asyncrl-learner-"))
+        store = self.store_dir / "store"
+        store.unlink(missing_ok=True)
+        return store
 
     def start_all(self, resume_from: Path | None = None) -> None:
         resume = ("--resume-from", str(resume_from)) if resume_from else ()
@@ -211,8 +294,11 @@ class Supervisor:
             code = process.poll()
             if name in self.replicas or code is None or (name == "learner" and code == 0):
                 continue
+            who = name
+            if isinstance(process, RankGroup):
+                who = f"{name} rank {process.failed_rank()} of {len(process.ranks)}"
             return (
-                f"{name} exited with status {code}; last lines of {self.log_path(name)}:\n"
+                f"{who} exited with status {code}; last lines of {self.log_path(name)}:\n"
                 f"{self.log_tail(name)}"
             )
         return None
@@ -264,7 +350,7 @@ class Supervisor:
         started = time.monotonic()
         for replica in self.replicas.values():
             replica.restart_at = None  # no restarts from here on
-        descendants = self._descendants()  # torchrun's ranks, reward workers: killed last
+        descendants = self._descendants()  # reward workers, engines: killed last
         roles = {
             "generator": [name for name in self.processes if name in self.replicas],
             "learner": ["learner"],
@@ -272,22 +358,30 @@ class Supervisor:
         }
         for role, by_s in stop_phases(self.config):
             running = [
-                self.processes[name]
+                process
                 for name in roles[role]
-                if name in self.processes and self.processes[name].poll() is None
+                if name in self.processes
+                for process in members(self.processes[name])
+                if process.poll() is None
             ]
             for process in running:
                 process.send_signal(signal.SIGTERM)
             _wait_all(running, started + by_s, hurry)
-        for process in self.processes.values():
+        for process in self.all_processes():
             if process.poll() is None:
                 process.kill()
                 process.wait()
         _kill_all(descendants)
+        if self.store_dir is not None:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def all_processes(self) -> list[subprocess.Popen]:
+        """Every process started, each learner rank on its own."""
+        return [process for entry in self.processes.values() for process in members(entry)]
 
     def _descendants(self) -> list[psutil.Process]:
         found = []
-        for process in self.processes.values():
+        for process in self.all_processes():
             if process.poll() is None:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     found += psutil.Process(process.pid).children(recursive=True)
@@ -378,7 +472,12 @@ def launch(
             print(f"asyncrl: {run_dir} has no complete checkpoint to resume from", file=sys.stderr)
             return 2
     config = resolve_keys(config, run_dir)  # CURVE keys missing: refused before anything starts
+    if config.environment is not None:  # model code would run unisolated: refused likewise
+        from asyncrl.envs.sandbox import check_isolation_for
+
+        check_isolation_for(config)
     run_dir = make_run_dir(config, run_dir)
+    config = provision_run_secret(config, run_dir)
     if config.cluster.backend == "ray":  # the roles as Ray actors (docs/ray.md)
         from asyncrl.ray_cluster import launch_ray
 

@@ -18,6 +18,7 @@ Decoding raises :class:`WireError` with a short ``reason`` that receivers count
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Sequence
 from typing import Annotated, ClassVar
 
@@ -27,12 +28,38 @@ import numpy as np
 SCHEMA_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 31
 """Default ceiling on one message (header plus frames); receivers may lower it."""
+MAX_HEADER_BYTES = 64 << 20
+"""Default ceiling on the header frame, checked before it is decoded; receivers may lower
+it (the buffer takes 1 MiB: ``asyncrl.buffer.service.MAX_HEADER_BYTES``). A learner's
+batch of thousands of samples, or a grant of many long prompts, stays far below it."""
+MAX_ARRAY_DIMS = 8
+"""An array (or a published tensor) has at most this many dimensions: checked while the
+header is decoded, before any size is computed from its shape (a product over 100,000
+dimensions would cost seconds of big-integer arithmetic)."""
+MAX_ARRAY_DIM = 1 << 40
+"""The largest size of one dimension: a product over ``MAX_ARRAY_DIMS`` of them stays a
+small integer."""
 
 
 EvalRound = Annotated[int, msgspec.Meta(ge=-1)]
 """An eval round's number, or -1 (the default): training work. Anything below -1 is
 rejected when decoded (``bad_header``)."""
 NOT_EVAL = -1
+
+
+Dimension = Annotated[int, msgspec.Meta(ge=0, le=MAX_ARRAY_DIM)]
+Shape = Annotated[tuple[Dimension, ...], msgspec.Meta(max_length=MAX_ARRAY_DIMS)]
+"""An array's shape: at most ``MAX_ARRAY_DIMS`` sizes, each in ``[0, MAX_ARRAY_DIM]``."""
+Incarnation = Annotated[int, msgspec.Meta(ge=0)]
+"""One run of a generator process (:func:`new_incarnation`); 0: not given."""
+
+
+def new_incarnation() -> int:
+    """A fresh random incarnation, drawn once by each generator process when it starts and
+    sent with every message it sends the buffer (its heartbeat thread's too). The buffer
+    accepts a generator id's messages only from the incarnation it registered, so another
+    process naming a live generator cannot book, deliver, keep alive or hand back its work."""
+    return 1 + secrets.randbelow((1 << 63) - 1)
 
 
 class WireError(ValueError):
@@ -46,7 +73,7 @@ class WireError(ValueError):
 class ArraySpec(msgspec.Struct, array_like=True, frozen=True):
     name: str
     dtype: str
-    shape: tuple[int, ...]
+    shape: Shape
 
 
 class _Body(msgspec.Struct, tag_field="type", forbid_unknown_fields=True):
@@ -71,6 +98,8 @@ class WorkRequest(_Body, tag="work_request"):
     max_samples: int
     wait_s: float = 0.0
     """How long the buffer may hold this request for work; 0 (the default): answer now."""
+    incarnation: Incarnation = 0
+    """The sending process's incarnation (:func:`new_incarnation`)."""
 
 
 class WorkItem(msgspec.Struct, forbid_unknown_fields=True):
@@ -140,6 +169,9 @@ class Trajectories(_Body, tag="trajectories"):
     stats: dict[str, float] = {}
     pool: str = ""
     """The sending generator's pool, so the buffer can report ``stats`` per pool."""
+    incarnation: Incarnation = 0
+    """From a generator: its incarnation (:func:`new_incarnation`); every sample of one
+    message is the same generator's."""
 
 
 class Heartbeat(_Body, tag="heartbeat"):
@@ -152,6 +184,7 @@ class Heartbeat(_Body, tag="heartbeat"):
     """
 
     generator_id: str
+    incarnation: Incarnation = 0
 
 
 class Ack(_Body, tag="ack"):
@@ -168,6 +201,9 @@ class Join(_Body, tag="join"):
 
     generator_id: str
     pool: str = "default"
+    incarnation: Incarnation = 0
+    """A live generator id joining with a new incarnation is a restarted process: it
+    replaces the old one, whose unfinished groups are handed out again at once."""
 
 
 class Joined(_Body, tag="joined"):
@@ -182,6 +218,7 @@ class Leave(_Body, tag="leave"):
     after ``buffer.heartbeat_timeout_s`` of silence (answered with an Ack)."""
 
     generator_id: str
+    incarnation: Incarnation = 0
 
 
 class StatusRequest(_Body, tag="status_request"):
@@ -294,7 +331,7 @@ class TensorEntry(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_f
 
     name: str
     dtype: str
-    shape: tuple[int, ...]
+    shape: Shape
     offset: int
     nbytes: int
 
@@ -439,10 +476,17 @@ class ArrayFrame(msgspec.Struct, frozen=True):
 
 
 def decode(
-    frames: Sequence, max_bytes: int = MAX_MESSAGE_BYTES
+    frames: Sequence,
+    max_bytes: int = MAX_MESSAGE_BYTES,
+    *,
+    max_header_bytes: int = MAX_HEADER_BYTES,
 ) -> tuple[_Body, dict[str, ArrayFrame]]:
     """Validate and decode a multipart message into its body and its arrays.
 
+    Sizes are checked before anything is decoded: the whole message against
+    ``max_bytes``, the header frame against ``max_header_bytes`` (``oversized``);
+    array shapes are bounded while the header is decoded (``MAX_ARRAY_DIMS``,
+    ``MAX_ARRAY_DIM``: ``bad_array``), before a byte count is computed from them.
     Arrays are views of the received frames (no copy). Raises WireError.
     """
     if not frames:
@@ -451,11 +495,22 @@ def decode(
     total = sum(b.nbytes for b in buffers)
     if total > max_bytes:
         raise WireError("oversized", f"{total} bytes exceeds the limit of {max_bytes}")
+    if buffers[0].nbytes > max_header_bytes:
+        raise WireError(
+            "oversized",
+            f"a header of {buffers[0].nbytes} bytes exceeds the limit of {max_header_bytes}",
+        )
     try:
         envelope = _DECODER.decode(buffers[0])
     except msgspec.ValidationError as error:
-        reason = "unknown_type" if "`$.body.type`" in str(error) else "bad_header"
-        raise WireError(reason, str(error)) from None
+        where = str(error)
+        if "`$.body.type`" in where:
+            reason = "unknown_type"
+        elif "`$.arrays" in where:
+            reason = "bad_array"
+        else:
+            reason = "bad_header"
+        raise WireError(reason, where) from None
     except msgspec.DecodeError as error:
         raise WireError("bad_header", str(error)) from None
     if envelope.schema_version != SCHEMA_VERSION:

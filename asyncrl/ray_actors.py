@@ -4,8 +4,11 @@
 ``ray.remote`` and the resources of the role it will hold. An actor first
 reports where it landed (:meth:`RoleActor.start`), then runs its role through
 :func:`asyncrl.roles.main` (:meth:`RoleActor.run`), the same entry point as
-``python -m asyncrl.roles``: the role reads ``RUN_DIR/config.yaml`` and its
-output goes to ``RUN_DIR/logs/NAME.log``. Nothing here re-implements a role.
+``python -m asyncrl.roles``: the role gets the driver's config in the
+environment :meth:`RoleActor.run` is handed (``ASYNCRL_CONFIG``, never
+``RUN_DIR/config.yaml``, which a restarted generator would otherwise read
+back) and its output goes to ``RUN_DIR/logs/NAME.log``. Nothing here
+re-implements a role.
 
 Ray runs a plain actor's methods on its process's main thread, so the roles'
 own SIGTERM handlers work: :func:`terminate`, pinned to the actor's node,

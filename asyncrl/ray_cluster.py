@@ -15,8 +15,13 @@ and shuts it down at the end. Then:
    reports its node;
 3. the endpoints are advertised by the buffer's node address (a local Ray:
    ``cluster.host``, since every actor is on this machine); free ports are
-   picked on that node; the resolved config goes to ``RUN_DIR/config.yaml``,
-   which every role reads, as under the local launcher;
+   picked on that node; the resolved config is written to
+   ``RUN_DIR/config.yaml`` for people, and handed to every role from the
+   driver's memory (``ASYNCRL_CONFIG``, :func:`asyncrl.roles.config_env`), a
+   restarted generator's included, as under the local launcher; learner ranks
+   get their process group's variables (:func:`rank_env`): under a local Ray a
+   file store in a private directory, as the local launcher does; on a cluster
+   rank 0's node address and a free port there (torch's TCPStore);
 4. the roles start; the driver prints progress from ``metrics.jsonl`` and
    waits for the learner. A generator replica whose actor dies or whose role
    stops gets a new actor after the local launcher's back-off, with
@@ -33,8 +38,10 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +51,7 @@ from asyncrl.config import Config, save_config
 from asyncrl.launch import Replica, closing_message, stop_phases, wrote_final_policy
 from asyncrl.paths import replica_name
 from asyncrl.ray_actors import RoleActor, terminate
+from asyncrl.roles import LEARNER_STORE_ENV, config_env
 
 if TYPE_CHECKING:
     from asyncrl.console import ReplicaHealth, RunConsole
@@ -173,20 +181,32 @@ def advertise(config: Config, host: str, ports: dict[str, int]) -> Config:
     return config.model_copy(update={"cluster": config.cluster.model_copy(update=update)})
 
 
-def rank_env(rank: int, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
-    """What torchrun would set for a learner rank.
+def rank_env(
+    rank: int,
+    world_size: int,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    store: Path | None = None,
+) -> dict[str, str]:
+    """A learner rank's process-group variables (:func:`asyncrl.learner.distributed.init`).
 
-    ``LOCAL_RANK`` is 0: Ray gives each actor only its own GPUs, so a rank's
-    GPU is always device 0 of those it sees.
+    One rank needs no more than these (its store lives in its process); ranks
+    on one machine meet through the file ``store``; ranks across nodes through
+    torch's TCPStore at ``master_addr:master_port``. ``LOCAL_RANK`` is 0: Ray
+    gives each actor only its own GPUs, so a rank's GPU is always device 0 of
+    those it sees.
     """
-    return {
+    env = {
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),
         "LOCAL_RANK": "0",
         "LOCAL_WORLD_SIZE": "1",
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
     }
+    if store is not None:
+        env[LEARNER_STORE_ENV] = str(store)
+    if master_addr is not None:
+        env |= {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+    return env
 
 
 # --------------------------------------------------------------------------
@@ -350,6 +370,8 @@ class RayRun:
         self.cwd = os.getcwd()
         self.remote: Any = None
         """``RoleActor`` as a Ray actor class."""
+        self.store_dir: Path | None = None
+        """The private directory of the learner ranks' file store (a local Ray, > 1 rank)."""
 
     # ---- start
 
@@ -358,7 +380,10 @@ class RayRun:
         self.place_learner()
         self.create_actors()
         self.config = self.resolve_endpoints()
-        save_config(self.config, self.run_dir / "config.yaml")
+        save_config(self.config, self.run_dir / "config.yaml")  # for people: no role reads it
+        handed = config_env(self.config)  # restarts reuse member.env: the config from memory
+        for member in self.members:
+            member.env |= handed
         console.note(f"ray: endpoints on {self.config.cluster.host}; {self.placement()}")
         self.run_roles()
 
@@ -485,10 +510,18 @@ class RayRun:
         wanted = [key for key in ("buffer_port", "weights_port") if not getattr(cluster, key)]
         picked = self.ray.get(buffer.actor.free_ports.remote(host, len(wanted)))
         config = advertise(self.config, host, dict(zip(wanted, picked, strict=True)))
-        master = ranks[0].info["ip"]
-        (master_port,) = self.ray.get(ranks[0].actor.free_ports.remote(master, 1))
-        for rank, member in enumerate(ranks):
-            member.env = rank_env(rank, len(ranks), master, master_port)
+        size = len(ranks)
+        if size == 1:
+            envs = [rank_env(0, 1)]
+        elif cluster.address is None:  # a local Ray: every rank on this machine
+            self.store_dir = Path(tempfile.mkdtemp(prefix="asyncrl-learner-"))  # mode 0700
+            envs = [rank_env(rank, size, store=self.store_dir / "store") for rank in range(size)]
+        else:
+            master = ranks[0].info["ip"]
+            (master_port,) = self.ray.get(ranks[0].actor.free_ports.remote(master, 1))
+            envs = [rank_env(rank, size, master, master_port) for rank in range(size)]
+        for member, env in zip(ranks, envs, strict=True):
+            member.env = env
         return _with_keys(config, self.run_dir)
 
     # ---- supervise
@@ -651,6 +684,8 @@ class RayRun:
                 from ray.util.placement_group import remove_placement_group
 
                 remove_placement_group(self.placement_group)
+        if self.store_dir is not None:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
 
     def signal(self, members: list[Member]) -> None:
         """SIGTERM ``members``' processes, through one small task on each of their nodes."""

@@ -1,22 +1,64 @@
 """Entry point of each process the launcher starts: ``python -m asyncrl.roles ROLE RUN_DIR``.
 
-Every role reads the resolved ``RUN_DIR/config.yaml`` that the launcher wrote,
-so all processes of a run agree on one configuration, ports included.
+Every role runs with the config the launcher validated and holds in memory,
+handed over as JSON in the environment variable ``ASYNCRL_CONFIG``
+(:func:`config_env`), so all processes of a run agree on one configuration,
+ports included. A generator the launcher restarts gets that same config again:
+``RUN_DIR/config.yaml`` is a record for people and ``asyncrl status``, never
+read back by a process the launcher starts, so whoever can write that file
+cannot change what a restarted role runs (a ``reward.function`` of theirs, say).
+Only a role started by hand, without the variable, reads ``RUN_DIR/config.yaml``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from pathlib import Path
 
 import yaml
 
-from asyncrl.config import config_from_dict
+from asyncrl.config import Config, config_from_dict
 from asyncrl.paths import replica_name
 
 ROLES = ("buffer", "learner", "generator")
+CONFIG_ENV = "ASYNCRL_CONFIG"
+"""The launcher's validated config, as JSON, for the role it starts."""
+CONFIG_ENV_MAX_BYTES = 120 * 1024
+"""Linux refuses to start a process with one environment string over 128 KiB."""
+LEARNER_STORE_ENV = "ASYNCRL_LEARNER_STORE"
+"""The file through which learner ranks on one machine form their process group
+(:func:`asyncrl.learner.distributed.init`); set by the launcher."""
+
+log = logging.getLogger("asyncrl.roles")
+
+
+def config_env(config: Config) -> dict[str, str]:
+    """The environment that hands ``config`` to a role (:func:`read_config`)."""
+    text = json.dumps(config.model_dump(mode="json"), separators=(",", ":"))
+    if len(text.encode()) > CONFIG_ENV_MAX_BYTES:
+        raise ValueError(
+            f"the resolved config is {len(text.encode())} bytes as JSON; a role can be handed "
+            f"at most {CONFIG_ENV_MAX_BYTES} through {CONFIG_ENV}"
+        )
+    return {CONFIG_ENV: text}
+
+
+def read_config(run_dir: Path) -> Config:
+    """The config this role runs with: the launcher's (``ASYNCRL_CONFIG``), validated
+    as any config is; ``RUN_DIR/config.yaml`` only for a role started by hand.
+
+    The variable is removed from this process's environment once read, so the
+    role's own child processes (reward workers, engines) do not inherit it.
+    """
+    text = os.environ.pop(CONFIG_ENV, None)
+    if text is not None:
+        return config_from_dict(json.loads(text))
+    path = run_dir / "config.yaml"
+    log.info("no %s from a launcher: reading %s", CONFIG_ENV, path)
+    return config_from_dict(yaml.safe_load(path.read_text()))
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -42,7 +84,7 @@ def main(argv: list[str] | None = None) -> str:
         level=os.environ.get("ASYNCRL_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
     )
-    config = config_from_dict(yaml.safe_load((args.run_dir / "config.yaml").read_text()))
+    config = read_config(args.run_dir)
     if args.role == "buffer":
         from asyncrl.buffer.service import run
 

@@ -22,7 +22,7 @@ from rich.table import Table
 from asyncrl.config import Config, config_from_dict
 from asyncrl.messages import Status, StatusRequest
 from asyncrl.paths import latest_checkpoint
-from asyncrl.security import client_context
+from asyncrl.security import OBSERVER, client_context
 from asyncrl.transport import RequestClient, tcp
 
 RECENT_STEPS = 5
@@ -33,7 +33,7 @@ def ask_buffer(config: Config, timeout_s: float = ASK_TIMEOUT_S) -> Status | Non
     """The live buffer's :class:`Status`, or None if nothing answers in ``timeout_s``."""
     if not config.cluster.buffer_port:
         return None
-    context = client_context(config.cluster)
+    context = client_context(config.cluster, OBSERVER)
     client = RequestClient(context, tcp(config.cluster.host, config.cluster.buffer_port))
     try:
         reply, _ = client.request(StatusRequest(), timeout_s=timeout_s)

@@ -28,6 +28,34 @@ Protocol (pull; the client is a DEALER, the server thread here a ROUTER)::
                                      | WeightsGone(version, latest_version)
     anything malformed              -> ErrorReply(reason), counted; the server carries on
 
+Limits. Whoever the peers are, serving costs the learner bounded time and memory
+(docs/security.md, "What the weights server accepts"):
+
+- with authentication on (``cluster=``) only peers admitted as ``generator`` are
+  served; any other role is answered ``ErrorReply("forbidden")``
+  (``rejected_forbidden``), a peer without a role ``rejected_no_role``;
+- a request is one frame of at most ``REQUEST_MAX_BYTES``: anything else is
+  refused on its frame count and sizes, before it is decoded (``rejected_bad_array``,
+  ``rejected_oversized``); libzmq itself drops a peer that sends a frame above
+  ``FRAME_MAX_BYTES``;
+- a peer has at most ``PEER_MAX_CHUNKS`` chunk replies that libzmq still holds
+  (queued or being written; known from a tracked frame), all of one version, and
+  at most ``MAX_PEERS_SERVED`` peers have any: further chunk requests wait in the
+  server, up to ``PEER_MAX_WAITING`` per peer and ``MAX_PEERS_WAITING`` peers, and
+  are served as replies drain; beyond that they are answered ``ErrorReply("busy")``
+  (``rejected_peer_busy``, ``rejected_busy``). A client that never reads therefore
+  pins at most ``PEER_MAX_CHUNKS`` chunks, and the snapshot it pins cannot be
+  recycled until libzmq lets go of them;
+- the ROUTER queues at most ``SEND_HWM`` replies per peer; a reply to a peer with
+  no room is dropped and counted (``replies_dropped_peer_full``), never waited for;
+  it holds at most ``RECEIVE_HWM`` requests per peer;
+- a peer that stops reading altogether stops answering the server's heartbeats and is
+  dropped after ``HEARTBEAT_TIMEOUT_S``, which releases what it pinned.
+
+Rejections are counted in ``served`` and logged at most once per
+``REJECTION_LOG_INTERVAL_S`` per reason; :meth:`WeightPublisher.stats` reports
+every counter for the learner's metrics.
+
 The manifest is the tensor index (name, dtype, shape, offset, nbytes of each
 tensor), checked for consistency when it is decoded. The client keeps ``window``
 chunk requests in flight and checks each chunk before using it: its version and
@@ -50,8 +78,9 @@ import logging
 import threading
 import time
 import zlib
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -72,8 +101,11 @@ from asyncrl.messages import (
     encode,
     encode_raw,
 )
-from asyncrl.security import CurveKeys, secure_server
+from asyncrl.security import GENERATOR, peer_role, secure_server
 from asyncrl.transport import client_socket
+
+if TYPE_CHECKING:
+    from asyncrl.config import ClusterConfig
 
 log = logging.getLogger("asyncrl.weights")
 
@@ -91,7 +123,49 @@ DEFAULT_CHUNK_BYTES = 16 << 20
 """Bytes per chunk: big enough that a round trip per chunk costs nothing, small
 enough that a chunk's receive buffer is reused by the allocator (glibc maps
 anything above 32 MiB afresh, page faults and all, on every receive)."""
-REQUEST_MAX_BYTES = 64 << 10
+REQUEST_MAX_BYTES = 4 << 10
+"""The largest request the server decodes: requests are one header frame of tens of
+bytes; anything bigger is refused on its size alone (``rejected_oversized``)."""
+FRAME_MAX_BYTES = 64 << 10
+"""libzmq drops a peer that sends a frame larger than this (``ZMQ_MAXMSGSIZE``), before
+buffering it; between ``REQUEST_MAX_BYTES`` and this a request is refused and counted."""
+SEND_HWM = 32
+"""Replies queued per peer (``ZMQ_SNDHWM``). Sends never block: with ``ROUTER_MANDATORY``
+and ``NOBLOCK`` a reply to a peer with no room, or gone, fails at once and is dropped and
+counted (``replies_dropped_peer_full``, ``replies_dropped_peer_gone``)."""
+RECEIVE_HWM = 64
+"""Requests queued per peer before libzmq stops reading from it (``ZMQ_RCVHWM``)."""
+MAX_WINDOW = 4
+"""The most chunk requests a :class:`WeightClient` keeps in flight (2 by default)."""
+PEER_MAX_CHUNKS = 2 * MAX_WINDOW
+"""Chunk replies a peer may have that libzmq still holds, all of one version. Twice the
+widest window: a tracker says done a little after the reply left (pyzmq's garbage
+thread sets it), so a reading client's replies lag behind its requests."""
+PEER_MAX_WAITING = 2 * MAX_WINDOW
+"""Chunk requests of one peer held back until its earlier replies drain; beyond:
+``rejected_peer_busy``, which a client keeping at most ``MAX_WINDOW`` never meets."""
+MAX_PEERS_SERVED = 16
+"""Peers with chunk replies in flight at once; the others' requests wait their turn."""
+MAX_PEERS_WAITING = 256
+"""Peers whose chunk requests may wait at once; beyond: ``rejected_busy``."""
+SERVED_ROLES = frozenset({GENERATOR})
+"""Roles served weights when authentication is on: generators load them; the learner
+publishes them and observers (``asyncrl status``) have no use for them."""
+HEARTBEAT_INTERVAL_S = 5.0
+HEARTBEAT_TIMEOUT_S = 60.0
+"""The server PINGs each peer every ``HEARTBEAT_INTERVAL_S`` and drops one that sends
+nothing for ``HEARTBEAT_TIMEOUT_S`` after a PING (ZMTP heartbeats, answered by the peer's
+libzmq whatever its application does). A peer that stopped reading cannot answer, so
+dropping it releases the chunk replies it pinned and its place among the served peers."""
+REJECTION_LOG_INTERVAL_S = 60.0
+"""At most one log line per rejection reason per interval, with the count since."""
+_WAITING_POLL_MS = 2
+"""How often the server thread looks for drained chunk replies while requests wait."""
+_RECEIVE_BATCH = 256
+"""Requests handled in a row before waiting requests get a turn."""
+_DETAIL_CHARS = 200
+"""An error reply's detail, and a log line's, is cut to this many characters."""
+_MORE = zmq.SNDMORE | zmq.NOBLOCK
 
 Piece = tuple[int, int, int]
 """``(tensor index, start byte, stop byte)`` within that tensor."""
@@ -147,11 +221,59 @@ class _Snapshot:
         ]
         self.crcs: dict[int, int] = {}  # chunk -> crc32, computed when first served
         self.readers = 0  # server replies being built from these buffers
-        self.trackers: list[zmq.MessageTracker] = []  # zero-copy frames zmq may still read
+        self.index = {entry.name: index for index, entry in enumerate(tensors)}
+        self.held: list[tuple[int, zmq.MessageTracker]] = []
+        """``(tensor index, tracker)`` of the zero-copy frames zmq may still read."""
+
+    @property
+    def trackers(self) -> list[zmq.MessageTracker]:
+        return [tracker for _, tracker in self.held]
 
     def idle(self) -> bool:
         """True when nothing reads the buffers any more, so they can be overwritten."""
-        return self.readers == 0 and all(tracker.done for tracker in self.trackers)
+        return self.readers == 0 and all(tracker.done for _, tracker in self.held)
+
+    def reusable_buffers(self) -> list[torch.Tensor | None]:
+        """Its buffers, each None while zmq may still read it (call with no reply being
+        built): a peer slow to read pins only the tensors of the chunks it was sent."""
+        held = {index for index, tracker in self.held if not tracker.done}
+        return [None if index in held else buffer for index, buffer in enumerate(self.buffers)]
+
+
+class _Peer:
+    """What the server holds for one peer: its chunk replies in flight, its waiting requests."""
+
+    __slots__ = ("in_flight", "version", "waiting")
+
+    def __init__(self) -> None:
+        self.in_flight: list[zmq.MessageTracker] = []  # last frame of each reply libzmq holds
+        self.version = -1  # the version of those replies
+        self.waiting: deque[WeightsChunkRequest] = deque()
+
+    def settle(self) -> int:
+        """Forget the replies libzmq let go of; how many it still holds."""
+        if self.in_flight:
+            self.in_flight = [tracker for tracker in self.in_flight if not tracker.done]
+        return len(self.in_flight)
+
+
+class _RateLimitedLog:
+    """At most one line per reason per ``interval_s``: :meth:`due` says when, and how many."""
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._count: Counter[str] = Counter()
+
+    def due(self, reason: str) -> int:
+        """Count one more ``reason``; the count since the last line if one is due now, else 0."""
+        self._count[reason] += 1
+        now = time.monotonic()
+        last = self._last.get(reason)
+        if last is not None and now - last < self.interval_s:
+            return 0
+        self._last[reason] = now
+        return self._count.pop(reason)
 
 
 class WeightPublisher:
@@ -161,9 +283,10 @@ class WeightPublisher:
         self,
         endpoint: str,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        curve: CurveKeys | None = None,
+        cluster: ClusterConfig | None = None,
     ):
-        """With ``curve`` (``security.curve_keys(config.cluster)``) serve only the run's clients."""
+        """With ``cluster`` (the run's ``config.cluster``) serve only the run's authenticated
+        peers; without it any peer (tests and benchmarks on a trusted machine)."""
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self.endpoint = endpoint
@@ -174,10 +297,24 @@ class WeightPublisher:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.served: Counter[str] = Counter()
+        self._peers: dict[bytes, _Peer] = {}  # peers with chunk replies in flight or waiting
+        self._serving: dict[bytes, _Peer] = {}  # those with replies in flight
+        self._waiting: dict[bytes, _Peer] = {}  # those with requests waiting, oldest first
+        self.peak_peer_in_flight = 0
+        """The most chunk replies libzmq held for one peer at once (at most PEER_MAX_CHUNKS)."""
+        self._rejections = _RateLimitedLog(REJECTION_LOG_INTERVAL_S)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._auth = secure_server(self._context, self._socket, curve) if curve else None
+        self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self._socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, FRAME_MAX_BYTES)
+        # every send is NOBLOCK, so a peer at its SNDHWM (or gone) fails the send at once:
+        # the reply is dropped and counted, the server thread never waits for a peer
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._socket.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_INTERVAL_S * 1000))
+        self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
+        self._auth = secure_server(self._context, self._socket, cluster) if cluster else None
         self._socket.bind(endpoint)
         self._thread = threading.Thread(target=self._serve_loop, name="weights-server", daemon=True)
         self._thread.start()
@@ -205,10 +342,11 @@ class WeightPublisher:
             if version <= self.version:
                 raise ValueError(f"version {version} is not newer than {self.version}")
             recycled, self._previous = self._previous, None  # its late readers get WeightsGone
-            reusable = copy and recycled is not None and recycled.idle()
-        pool = recycled.buffers if reusable else []
-        if recycled is not None and copy and not pool:
-            self.served["snapshot_not_reused"] += 1
+            pool: list[torch.Tensor | None] = []
+            if copy and recycled is not None and recycled.readers == 0:
+                pool = recycled.reusable_buffers()
+        if recycled is not None and copy and (not pool or any(b is None for b in pool)):
+            self.served["snapshot_not_reused"] += 1  # all of it, or the tensors zmq holds
         items = tensors.items() if isinstance(tensors, Mapping) else tensors
         entries: list[TensorEntry] = []
         buffers: list[torch.Tensor] = []
@@ -245,38 +383,96 @@ class WeightPublisher:
     # ------------------------------------------------------------------ server thread
 
     def _serve_loop(self) -> None:
+        settled = time.monotonic()
         while not self._stop.is_set():
-            if not self._socket.poll(100):
-                continue
-            while True:
-                try:
-                    identity, *frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                try:
-                    self._answer(identity, frames)
-                except Exception:  # a bug must not silence the server for every generator
-                    log.exception("weights server failed to answer a request")
-                    self.served["server_errors"] += 1
-                    self._reply(identity, encode(ErrorReply("internal", "see the learner's log")))
+            if self._socket.poll(_WAITING_POLL_MS if self._waiting else 100):
+                for _ in range(_RECEIVE_BATCH):
+                    try:
+                        identity, *frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(identity, frames)
+            if self._waiting:
+                self._serve_waiting()
+            elif self._serving and time.monotonic() - settled > 0.1:
+                self._free_slots(settle=True)  # keeps the served peers (and stats) current
+                settled = time.monotonic()
 
-    def _reply(self, identity, frames: list) -> None:
-        self._socket.send_multipart([identity, *frames], copy=False)
-
-    def _answer(self, identity, frames: list) -> None:
+    def _handle(self, identity: zmq.Frame, frames: list) -> None:
         try:
-            body, arrays = decode(frames, max_bytes=REQUEST_MAX_BYTES)
-            if arrays:
-                raise WireError("bad_array", "weights requests carry no arrays")
-            if isinstance(body, WeightsRequest):
-                self._reply(identity, self._manifest_reply(body.have_version))
-            elif isinstance(body, WeightsChunkRequest):
-                self._send_chunk(identity, body)
-            else:
-                raise WireError("unexpected_type", f"weights server got {type(body).__name__}")
+            self._answer(identity, frames)
+        except Exception:  # a bug must not silence the server for every generator
+            self._internal_error(identity.bytes)
+
+    def _internal_error(self, identity: bytes) -> None:
+        """Called in an ``except`` block: count, log (rate-limited) and answer."""
+        self.served["server_errors"] += 1
+        count = self._rejections.due("server_error")
+        if count:
+            log.exception("weights server failed to answer %d request(s)", count)
+        self._reply(identity, encode(ErrorReply("internal", "see the learner's log")))
+
+    def _reply(self, identity: bytes, frames: list) -> bool:
+        """Send a reply unless the peer's queue is full or the peer is gone (counted)."""
+        try:
+            self._socket.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as error:
+            self._dropped(error)
+            return False
+        return True
+
+    def _dropped(self, error: zmq.ZMQError) -> None:
+        """A reply the ROUTER refused at its first frame, so nothing of it was queued."""
+        if error.errno == zmq.EAGAIN:
+            self.served["replies_dropped_peer_full"] += 1
+        elif error.errno == zmq.EHOSTUNREACH:
+            self.served["replies_dropped_peer_gone"] += 1
+        else:
+            raise error
+
+    def _reject(self, identity: bytes, reason: str, detail: str) -> None:
+        """Count, log (rate-limited) and answer a refused request."""
+        detail = detail[:_DETAIL_CHARS]
+        self.served[f"rejected_{reason}"] += 1
+        count = self._rejections.due(reason)
+        if count:
+            log.warning(
+                "weights server refused %d request(s) (%s) in the last %.0fs; latest: %s",
+                count,
+                reason,
+                self._rejections.interval_s,
+                detail,
+            )
+        self._reply(identity, encode(ErrorReply(reason, detail)))
+
+    def _answer(self, identity: zmq.Frame, frames: list) -> None:
+        """Refuse what is not a generator's small request before any decoding, then answer."""
+        key = identity.bytes
+        if self._auth is not None:
+            role = peer_role(identity)
+            if role is None:
+                return self._reject(key, "no_role", "an authenticated peer must have a role")
+            if role not in SERVED_ROLES:
+                return self._reject(key, "forbidden", f"the weights are not served to a {role}")
+        if len(frames) != 1:
+            return self._reject(
+                key, "bad_array", f"a weights request is one frame, got {len(frames)}"
+            )
+        size = len(frames[0])
+        if size > REQUEST_MAX_BYTES:
+            return self._reject(
+                key, "oversized", f"{size} bytes exceeds the limit of {REQUEST_MAX_BYTES}"
+            )
+        try:
+            body, _ = decode(frames, max_bytes=REQUEST_MAX_BYTES)  # one frame: no arrays
         except WireError as error:
-            self.served[f"rejected_{error.reason}"] += 1
-            self._reply(identity, encode(ErrorReply(error.reason, str(error))))
+            return self._reject(key, error.reason, str(error))
+        if isinstance(body, WeightsRequest):
+            self._reply(key, self._manifest_reply(body.have_version))
+        elif isinstance(body, WeightsChunkRequest):
+            self._chunk_request(key, body)
+        else:
+            self._reject(key, "unexpected_type", f"weights server got {type(body).__name__}")
 
     def _manifest_reply(self, have_version: int) -> list:
         with self._lock:
@@ -287,7 +483,95 @@ class WeightPublisher:
         self.served["manifests_sent"] += 1
         return latest.manifest_frames
 
-    def _send_chunk(self, identity, request: WeightsChunkRequest) -> None:
+    # Chunk requests: at most PEER_MAX_CHUNKS replies held by libzmq per peer, at most
+    # MAX_PEERS_SERVED peers with any; the other requests wait here, in bounded numbers.
+    # Every step below costs O(PEER_MAX_CHUNKS + MAX_PEERS_SERVED), never O(peers).
+
+    def _chunk_request(self, identity: bytes, request: WeightsChunkRequest) -> None:
+        peer = self._peers.get(identity)
+        if peer is None:
+            peer = _Peer()
+        if not peer.waiting and self._may_send(identity, peer, request.version):
+            self._serve_chunk(identity, peer, request)
+        elif len(peer.waiting) >= PEER_MAX_WAITING:
+            self._reject(
+                identity,
+                "peer_busy",
+                f"more than {PEER_MAX_CHUNKS + PEER_MAX_WAITING} chunk requests in flight",
+            )
+        elif not peer.waiting and len(self._waiting) >= MAX_PEERS_WAITING:
+            self._reject(identity, "busy", f"{MAX_PEERS_WAITING} peers wait already")
+        else:
+            peer.waiting.append(request)
+            self._waiting.setdefault(identity, peer)
+            self._peers[identity] = peer
+            self.served["chunk_requests_deferred"] += 1
+
+    def _may_send(self, identity: bytes, peer: _Peer, version: int) -> bool:
+        """True when ``peer`` may have one more chunk reply of ``version`` in flight now."""
+        if self._settle(identity, peer):
+            return len(peer.in_flight) < PEER_MAX_CHUNKS and peer.version == version
+        return self._free_slots() > 0
+
+    def _free_slots(self, settle: bool = False) -> int:
+        """How many more peers may have chunk replies in flight (settling the peers being
+        served first when they fill every slot, or when asked)."""
+        if settle or len(self._serving) >= MAX_PEERS_SERVED:
+            for identity, peer in list(self._serving.items()):
+                self._settle(identity, peer)
+        return MAX_PEERS_SERVED - len(self._serving)
+
+    def _settle(self, identity: bytes, peer: _Peer) -> int:
+        """Forget the replies libzmq let go of, and the peer once nothing is left."""
+        held = peer.settle()
+        if not held:
+            self._serving.pop(identity, None)
+            if not peer.waiting:
+                self._peers.pop(identity, None)
+        return held
+
+    def _serve_waiting(self) -> None:
+        """Serve the waiting requests whose peers have room now, oldest peers first."""
+        slots = self._free_slots(settle=True)
+        if slots > 0:
+            candidates = list(self._waiting.items())
+        else:  # only the peers being served can go on
+            candidates = [(i, p) for i, p in self._waiting.items() if p.in_flight]
+        for identity, peer in candidates:
+            while peer.waiting:
+                request = peer.waiting[0]
+                if peer.in_flight:
+                    if len(peer.in_flight) >= PEER_MAX_CHUNKS or peer.version != request.version:
+                        break
+                elif slots <= 0:
+                    break
+                else:
+                    slots -= 1
+                peer.waiting.popleft()
+                self._serve_chunk(identity, peer, request)
+            if not peer.waiting:
+                del self._waiting[identity]
+                self._settle(identity, peer)
+
+    def _serve_chunk(self, identity: bytes, peer: _Peer, request: WeightsChunkRequest) -> None:
+        try:
+            tracker = self._send_chunk(identity, request)
+        except WireError as error:
+            self._reject(identity, error.reason, str(error))
+            return
+        except Exception:
+            self._internal_error(identity)
+            return
+        if tracker is not None:
+            peer.in_flight.append(tracker)
+            peer.version = request.version
+            self._serving[identity] = self._peers[identity] = peer
+            self.peak_peer_in_flight = max(self.peak_peer_in_flight, len(peer.in_flight))
+
+    def _send_chunk(
+        self, identity: bytes, request: WeightsChunkRequest
+    ) -> zmq.MessageTracker | None:
+        """Send chunk ``request.index`` (or WeightsGone); the tracker of its last frame."""
         with self._lock:
             snapshot = next(
                 (
@@ -309,24 +593,36 @@ class WeightPublisher:
         if snapshot is None:
             self.served["version_gone"] += 1
             self._reply(identity, encode(WeightsGone(request.version, latest)))
-            return
-        trackers = []
+            return None
+        trackers: list[zmq.MessageTracker] = []
+        specs: list[ArraySpec] = []
         try:
             body, specs, views = self._chunk_message(snapshot, request.index)
             frames = encode_raw(body, specs, views)
+            try:  # the routing frame: fails, and queues nothing, if the peer has no room
+                self._socket.send(identity, _MORE, copy=False)
+            except zmq.ZMQError as error:
+                self._dropped(error)
+                return None
             self.served["chunks_sent"] += 1  # counted first: the client may be done at once
             self.served["bytes_sent"] += sum(view.nbytes for view in views)
             if request.index == len(snapshot.pieces) - 1:
                 self.served["transfers_finished"] += 1
-            self._socket.send(identity, zmq.SNDMORE, copy=False)
-            for frame in frames[:-1]:
-                trackers.append(self._socket.send(frame, zmq.SNDMORE, copy=False, track=True))
-            trackers.append(self._socket.send(frames[-1], copy=False, track=True))
+            for frame in frames[:-1]:  # the rest of a message is always accepted
+                trackers.append(self._socket.send(frame, _MORE, copy=False, track=True))
+            # the last frame is shared, not copied, even when small, so that its tracker
+            # says when libzmq lets go of the whole reply (frames are released in order)
+            last = frames[-1]
+            if memoryview(last).nbytes < self._socket.copy_threshold:
+                last = zmq.Frame(last, copy=False, track=True)
+            trackers.append(self._socket.send(last, zmq.NOBLOCK, copy=False, track=True))
         finally:
+            tensors = [-1] + [snapshot.index.get(spec.name, -1) for spec in specs]  # per frame
+            sent = [(i, t) for i, t in zip(tensors, trackers, strict=False) if not t.done]
             with self._lock:
                 snapshot.readers -= 1
-                pending = [t for t in snapshot.trackers if not t.done]
-                snapshot.trackers = pending + [t for t in trackers if t is not None]
+                snapshot.held = [(i, t) for i, t in snapshot.held if not t.done] + sent
+        return trackers[-1]
 
     def _chunk_message(
         self, snapshot: _Snapshot, index: int
@@ -345,6 +641,19 @@ class WeightPublisher:
             for tensor, start, stop in pieces
         ]
         return WeightsChunk(snapshot.version, index, crc), specs, views
+
+    def stats(self) -> dict[str, float]:
+        """The server's counters as metrics: ``weights_<counter>_total`` for each counter of
+        ``served`` (``weights_chunks_sent_total``, ``weights_rejected_<reason>_total``, ...),
+        ``weights_refused_auth_total`` (handshakes refused for unknown credentials) when
+        authentication is on, and the peers being served or waiting now."""
+        served = dict(self.served)  # one C-level copy: the server thread keeps counting
+        stats = {f"weights_{name}_total": float(count) for name, count in served.items()}
+        if self._auth is not None:
+            stats["weights_refused_auth_total"] = float(self._auth.refused)
+        stats["weights_peers_served"] = float(len(self._serving))
+        stats["weights_peers_waiting"] = float(len(self._waiting))
+        return stats
 
     def close(self) -> None:
         self._stop.set()
@@ -444,9 +753,9 @@ class _Assembly:
 class WeightClient:
     """A generator's view of the publisher: fetch weights newer than the ones held.
 
-    ``window`` chunk requests are kept in flight. A fetch whose version the
-    publisher dropped meanwhile starts over with the latest, at most
-    ``max_restarts`` times; after that it gives up (returns None, counted in
+    ``window`` chunk requests (at most ``MAX_WINDOW``) are kept in flight. A fetch
+    whose version the publisher dropped meanwhile starts over with the latest, at
+    most ``max_restarts`` times; after that it gives up (returns None, counted in
     ``stats["gave_up"]``) and the generator tries again at its next check.
 
     With ``reuse_buffers`` the client fills the host buffers of its previous
@@ -465,8 +774,8 @@ class WeightClient:
         max_restarts: int = 8,
         reuse_buffers: bool = False,
     ):
-        if window < 1:
-            raise ValueError(f"window must be at least 1, got {window}")
+        if not 1 <= window <= MAX_WINDOW:
+            raise ValueError(f"window must be between 1 and {MAX_WINDOW}, got {window}")
         self.context = context
         self.endpoint = endpoint
         self.timeout_s = timeout_s

@@ -135,6 +135,28 @@ class EvalRounds:
         self.counters["dispatched_groups"] += len(items)
         return items
 
+    def in_flight_samples(self, generator_id: str) -> int:
+        """Samples of the running round handed to ``generator_id``, not delivered yet."""
+        current = self.current
+        if current is None:
+            return 0
+        return sum(
+            g.item.num_samples - len(g.outcomes)
+            for g in current.in_flight.values()
+            if g.generator_id == generator_id
+        )
+
+    def handed_out(self, meta: TrajectoryMeta) -> WorkItem | None:
+        """The WorkItem of ``meta``'s eval group if it is in flight to ``meta``'s generator
+        in the running round, else None."""
+        current = self.current
+        if current is None or meta.eval_round != current.number:
+            return None
+        group = current.in_flight.get(meta.group_id)
+        if group is None or group.generator_id != meta.generator_id:
+            return None
+        return group.item
+
     def waiting(self) -> bool:
         """Groups of the running round wait to be handed out (new prompts wait for them)."""
         return self.current is not None and bool(self.current.pending)

@@ -14,6 +14,23 @@ the groups of generators silent for ``buffer.heartbeat_timeout_s``. A
 malformed or unknown message is answered with an ``ErrorReply``, counted
 under ``rejected_<reason>``, and the service goes on.
 
+The buffer trusts no peer's word (docs/security.md, "What the buffer accepts"). With
+``cluster.auth`` on, every message carries the role its sender authenticated as
+(:func:`~asyncrl.security.peer_role`), and each role is served only its own
+requests: ``BatchRequest``, ``StartEval``, ``EvalResultsRequest`` and
+``SaveBufferState`` the learner's; ``WorkRequest``, ``Trajectories``,
+``Heartbeat``, ``Join`` and ``Leave`` a generator's; ``StatusRequest`` anyone's
+(else ``forbidden``). A generator id belongs to one process at a time, its
+*incarnation*: the random number it draws at start and sends with every
+message, from any of its sockets. The first message of an id not alive
+registers its incarnation; while it is alive, a message naming it with another
+incarnation is refused (``wrong_incarnation``): it books no work, keeps nothing
+alive, hands nothing back, delivers nothing. Only a ``Join`` replaces it (a
+process restarted under the same id): the old one's unfinished groups are
+requeued at once (``buffer_generators_replaced``). Samples are checked whole
+before any is stored (:mod:`asyncrl.buffer.validation`), and the learner's
+version may only move by one (``bad_version``).
+
 A ``WorkRequest`` with ``wait_s > 0`` that finds nothing to hand out is held
 (one per generator id) rather than answered: after each turn of the loop in
 which dispatch could have changed its answer (a new policy version, freed
@@ -51,6 +68,15 @@ import zmq
 import zmq.asyncio
 
 from asyncrl.buffer.store import BufferStore, Sample
+from asyncrl.buffer.validation import (
+    Limits,
+    check_generator_id,
+    check_pool,
+    check_trajectories,
+    model_vocab_size,
+    sender_of,
+)
+from asyncrl.buffer.validation import split_samples as split_samples  # benchmarks import it
 from asyncrl.config import Config
 from asyncrl.messages import (
     Ack,
@@ -72,11 +98,12 @@ from asyncrl.messages import (
     WorkGrant,
     WorkItem,
     WorkRequest,
+    _Body,
     decode,
     encode,
 )
 from asyncrl.paths import BUFFER_STATE, checkpoint_dir
-from asyncrl.security import curve_keys, secure_server
+from asyncrl.security import GENERATOR, LEARNER, OBSERVER, peer_role, secure_server
 from asyncrl.transport import tcp
 
 log = logging.getLogger("asyncrl.buffer")
@@ -94,6 +121,62 @@ STOP_LINGER_MS = 200
 on stop) to peers still connected."""
 REFUSALS = ("dispatch_refused_admission", "dispatch_refused_backpressure")
 """Store counters a held request adds to once, when it is first refused, not per retry."""
+ROUTER_HWM = 64
+"""Messages queued per peer connection on the buffer's ROUTER socket, each way (SNDHWM,
+RCVHWM). A generator or the learner has one or two requests out at a time. A peer that
+sends without reading its replies fills its own queue: later replies to it are dropped
+at once, never waited for (``buffer_rejected_unroutable_reply``), and once its inbound
+queue is full ZeroMQ stops reading its connection. Either way the buffer's memory for
+one peer stays bounded by this many messages."""
+MAX_HEADER_BYTES = 1 << 20
+"""The largest header frame the buffer decodes (``oversized`` beyond): a generator's
+message of a thousand samples has a header of about 150 KB."""
+MAX_IN_FLIGHT_FACTOR = 4
+"""A generator may hold at most this many times the largest pool's
+``generators.max_active_samples`` in flight (samples handed to it, not yet delivered):
+the ones it generates plus the finished ones still being scored (a replica asks for
+``max_active_samples`` less what it generates, and a slow reward can hold as many again).
+A request beyond that is granted only what fits (counted in
+``buffer_work_requests_capped``), so one generator id cannot book an unbounded share of
+the admission budget."""
+REJECTION_LOG_EVERY_S = 10.0
+"""At most one log line per rejection reason this often; the count of the others rides
+along with the next line (every rejection is counted in ``buffer_rejected_<reason>``)."""
+ROLES_SERVED: dict[type, frozenset[str]] = {
+    BatchRequest: frozenset({LEARNER}),
+    StartEval: frozenset({LEARNER}),
+    EvalResultsRequest: frozenset({LEARNER}),
+    SaveBufferState: frozenset({LEARNER}),
+    WorkRequest: frozenset({GENERATOR}),
+    Trajectories: frozenset({GENERATOR}),
+    Heartbeat: frozenset({GENERATOR}),
+    Join: frozenset({GENERATOR}),
+    Leave: frozenset({GENERATOR}),
+    StatusRequest: frozenset({LEARNER, GENERATOR, OBSERVER}),
+}
+"""Which authenticated roles may send each message the buffer serves."""
+REJECTION_REASONS = (
+    "forbidden",
+    "wrong_incarnation",
+    "bad_version",
+    "bad_step",
+    "bad_tokens",
+    "bad_logprobs",
+    "bad_reward",
+    "bad_lengths",
+    "bad_prompt",
+    "bad_index",
+    "bad_mask",
+    "bad_stats",
+    "bad_pool",
+    "bad_field",
+    "bad_array",
+    "bad_header",
+    "oversized",
+    "unroutable_reply",
+)
+"""``buffer_rejected_<reason>`` counters reported in every batch's stats (and status),
+0 until one happens; any other reason appears once it is counted."""
 
 
 @dataclass
@@ -116,22 +199,66 @@ class HeldResultsRequest:
     """``time.monotonic()`` after which it is answered with what there is (maybe nothing)."""
 
 
+class RejectionLog:
+    """Logs a rejection at most once per reason every ``every_s`` seconds, with the count
+    of those left out since: a peer sending junk must not flood the buffer's log."""
+
+    def __init__(self, every_s: float = REJECTION_LOG_EVERY_S):
+        self.every_s = every_s
+        self.last: dict[str, float] = {}
+        self.unlogged: Counter[str] = Counter()
+
+    def __call__(self, reason: str, detail: str, now: float) -> None:
+        last = self.last.get(reason)
+        if last is not None and now - last < self.every_s:
+            self.unlogged[reason] += 1
+            return
+        more = self.unlogged.pop(reason, 0)
+        since = f" (and {more} more since the last such line)" if more else ""
+        log.warning("rejected a message: %s%s", detail[:300], since)
+        self.last[reason] = now
+
+
 class BufferService:
     def __init__(
-        self, config: Config, store: BufferStore, endpoint: str, run_dir: Path | None = None
+        self,
+        config: Config,
+        store: BufferStore,
+        endpoint: str,
+        run_dir: Path | None = None,
+        *,
+        vocab_size: int | None = None,
     ):
         self.config = config
         self.store = store
         self.endpoint = endpoint
         self.run_dir = run_dir
         """Where checkpoints go; without one, SaveBufferState is refused."""
-        self.curve = curve_keys(config.cluster)
-        """The run's CURVE keys when its connections use them (docs/security.md)."""
+        self.limits = Limits.from_config(
+            config, vocab_size if vocab_size is not None else model_vocab_size(config)
+        )
+        """What a generator's samples must fit (:mod:`asyncrl.buffer.validation`)."""
+        most_active = max(p.settings.max_active_samples for p in config.generators.resolved_pools())
+        self.max_in_flight = MAX_IN_FLIGHT_FACTOR * most_active
+        """Samples one generator may hold in flight (``MAX_IN_FLIGHT_FACTOR``)."""
         self.context = zmq.asyncio.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.socket.setsockopt(zmq.SNDHWM, ROUTER_HWM)
+        self.socket.setsockopt(zmq.RCVHWM, ROUTER_HWM)
         self.rejected: Counter[str] = Counter()
+        self.log_rejection = RejectionLog()
+        self.incarnations: dict[str, int] = {}
+        """Generator id -> the incarnation it registered while alive (module docstring)."""
+        self.pools_known: set[str] = {p.name for p in config.generators.resolved_pools()}
+        """Pool names reported on (``validation.MAX_POOLS`` at most)."""
+        self.reward_error_kinds: set[str] = set()
+        """Reward-error tags counted so far (``validation.MAX_REWARD_ERROR_KINDS`` at most)."""
+        self.last_served_to: bytes | None = None
+        """The peer the last batch went to: only it may hand that batch back."""
+        self.batch_taken_back = False
+        """The last batch served was handed back already (it goes back once)."""
         self.pending_batch: bytes | None = None
         """Identity of the learner waiting for a batch, if any."""
         self.stopping = asyncio.Event()
@@ -149,7 +276,7 @@ class BufferService:
 
     async def serve_loop(self) -> None:
         """Serve until ``stopping`` is set, then close the socket and the context."""
-        auth = secure_server(self.context, self.socket, self.curve) if self.curve else None
+        auth = secure_server(self.context, self.socket, self.config.cluster)
         try:
             await self._serve()
         finally:
@@ -177,11 +304,14 @@ class BufferService:
     async def _receive(self) -> None:
         identity, *frames = await self.socket.recv_multipart(copy=False)
         try:
-            body, arrays = decode(frames)
+            role = peer_role(frames[0] if frames else identity)
+            if self.config.cluster.auth and role is None:
+                raise WireError("forbidden", "the sender authenticated as no role")
+            body, arrays = decode(frames, max_header_bytes=MAX_HEADER_BYTES)
+            self._authorize(role, body)
             await self._handle(identity.bytes, body, arrays)
         except WireError as error:
-            self.rejected[error.reason] += 1
-            log.warning("rejected message: %s", error)
+            self._count_rejection(error.reason, str(error))
             await self._reply(identity.bytes, ErrorReply(error.reason, str(error)))
         except AssertionError:  # a broken invariant of the store: stop, loudly
             raise
@@ -189,6 +319,41 @@ class BufferService:
             self.rejected["internal"] += 1
             log.exception("failed to handle a message")
             await self._reply(identity.bytes, ErrorReply("internal", repr(error)))
+
+    def _authorize(self, role: str | None, body: _Body) -> None:
+        """Refuse (``forbidden``) a message its sender's role may not send; with
+        ``cluster.auth`` off every role is taken at its word."""
+        allowed = ROLES_SERVED.get(type(body))
+        if self.config.cluster.auth and allowed is not None and role not in allowed:
+            raise WireError(
+                "forbidden",
+                f"{type(body).__name__} is served to the {' or '.join(sorted(allowed))} only, "
+                f"not to a {role}",
+            )
+
+    def _count_rejection(self, reason: str, detail: str) -> None:
+        self.rejected[reason] += 1
+        self.log_rejection(reason, detail, time.monotonic())
+
+    def _live_incarnation(self, generator_id: str) -> int | None:
+        """The incarnation ``generator_id`` registered, while it is alive; else None."""
+        if generator_id not in self.store.last_seen:
+            return None
+        return self.incarnations.get(generator_id)
+
+    def _claim(self, generator_id: str, incarnation: int) -> None:
+        """The sender of a generator message is ``generator_id``'s live process, or the id
+        is free and becomes its (else ``wrong_incarnation``, and nothing is done)."""
+        check_generator_id(generator_id)
+        live = self._live_incarnation(generator_id)
+        if live is None:
+            self.incarnations[generator_id] = incarnation
+        elif live != incarnation:
+            raise WireError(
+                "wrong_incarnation",
+                f"generator {generator_id} is alive as another process; a restarted process "
+                "replaces it with Join",
+            )
 
     def _poll_timeout_ms(self) -> int:
         """``POLL_MS``, or less when a held request's deadline comes first."""
@@ -202,6 +367,7 @@ class BufferService:
 
     def _expire_silent_generators(self) -> None:
         for generator_id in self.store.expire_silent(time.monotonic()):
+            self.incarnations.pop(generator_id, None)
             log.warning(
                 "generator %s silent for over %.1fs: its unfinished groups are requeued",
                 generator_id,
@@ -211,12 +377,20 @@ class BufferService:
     async def _handle(self, identity: bytes, body, arrays) -> None:
         now = time.monotonic()
         match body:
-            case WorkRequest(generator_id=generator_id, max_samples=max_samples, wait_s=wait_s):
+            case WorkRequest(
+                generator_id=generator_id,
+                max_samples=max_samples,
+                wait_s=wait_s,
+                incarnation=incarnation,
+            ):
                 wait_s = self._checked_wait(wait_s)
+                if max_samples < 0:
+                    raise WireError("bad_field", f"WorkRequest.max_samples {max_samples} < 0")
+                self._claim(generator_id, incarnation)
                 earlier = self.held.pop(generator_id, None)
                 if earlier is not None:  # one held request per generator: the newer one counts
                     await self._answer_held(earlier, [], now)
-                items = self.store.dispatch(generator_id, max_samples, now)
+                items = self._dispatch(generator_id, max_samples, now)
                 if items or not wait_s:
                     retry = 0.0 if items else RETRY_AFTER_S
                     await self._reply(identity, WorkGrant(items, self.store.policy_version, retry))
@@ -225,18 +399,46 @@ class BufferService:
                     self.held[generator_id] = held
                     self.counters["work_requests_held"] += 1
             case Trajectories(samples=metas, stats=generator_stats, pool=pool):
-                samples = split_samples(metas, {name: a.numpy() for name, a in arrays.items()})
+                sender = sender_of(body)
+                if pool:
+                    check_pool(pool, self.pools_known)
+                if metas:
+                    self._claim(sender, body.incarnation)
+                samples = check_trajectories(
+                    body,
+                    {name: a.numpy() for name, a in arrays.items()},
+                    self.limits,
+                    self.store.policy_version + 1,  # published before the learner asks
+                    self.store.handed_out,
+                    self.reward_error_kinds,
+                )
                 accepted = self.store.ingest(samples, now)
                 if metas and generator_stats:
-                    self.generator_stats[metas[0].generator_id] = generator_stats
-                    self.generator_pools[metas[0].generator_id] = pool or "default"
+                    self.generator_stats[sender] = dict(generator_stats)
+                    self.generator_pools[sender] = pool or "default"
                 await self._reply(identity, Ack(accepted, len(samples) - accepted))
                 await self._serve_pending()
                 await self._serve_results(now)  # the sample that completes a round
-            case Heartbeat(generator_id=generator_id):
+            case Heartbeat(generator_id=generator_id, incarnation=incarnation):
+                self._claim(generator_id, incarnation)
                 self.store.heartbeat(generator_id, now)
                 await self._reply(identity, Ack(accepted=0))
-            case Join(generator_id=generator_id, pool=pool):
+            case Join(generator_id=generator_id, pool=pool, incarnation=incarnation):
+                check_generator_id(generator_id)
+                check_pool(pool, self.pools_known)
+                live = self._live_incarnation(generator_id)
+                if live is not None and live != incarnation:  # restarted under the same id
+                    earlier = self.held.pop(generator_id, None)
+                    if earlier is not None:
+                        await self._answer_held(earlier, [], now)
+                    requeued = self.store.replace(generator_id, now)
+                    log.warning(
+                        "generator %s joined again as a new process: the old one's %d "
+                        "unfinished group(s) are requeued",
+                        generator_id,
+                        requeued,
+                    )
+                self.incarnations[generator_id] = incarnation
                 self.store.heartbeat(generator_id, now)
                 self.generator_pools[generator_id] = pool
                 log.info("generator %s (pool %s) joined", generator_id, pool)
@@ -246,11 +448,19 @@ class BufferService:
                     self.config.run.name,
                 )
                 await self._reply(identity, joined)
-            case Leave(generator_id=generator_id):
+            case Leave(generator_id=generator_id, incarnation=incarnation):
+                check_generator_id(generator_id)
+                live = self._live_incarnation(generator_id)
+                if live is not None and live != incarnation:
+                    raise WireError(
+                        "wrong_incarnation",
+                        f"Leave names generator {generator_id}, alive as another process",
+                    )
                 earlier = self.held.pop(generator_id, None)
                 if earlier is not None:  # answered first: every request gets one reply
                     await self._answer_held(earlier, [], now)
                 requeued = self.store.leave(generator_id)
+                self.incarnations.pop(generator_id, None)
                 log.info(
                     "generator %s left; %d unfinished group(s) requeued", generator_id, requeued
                 )
@@ -258,12 +468,14 @@ class BufferService:
             case StatusRequest():
                 await self._reply(identity, self._status(now))
             case BatchRequest(policy_version=version):
+                self._check_version("BatchRequest.policy_version", version)
                 self.store.set_policy_version(version)
                 self.pending_batch = identity
                 await self._serve_pending()
             case StartEval(round=number, policy_version=version):
                 if not self.store.evaluation.enabled:
                     raise WireError("bad_field", "this run has no eval prompts (eval is off)")
+                self._check_version("StartEval.policy_version", version)
                 latest = self.store.evaluation.last_started
                 started = self.store.start_eval(number, version, now)
                 if started:
@@ -283,6 +495,17 @@ class BufferService:
                 self.held_results = HeldResultsRequest(identity, now + wait_s)
                 await self._serve_results(now)
             case SaveBufferState(step=step, abandoned_batch_request=abandoned):
+                if self.run_dir is None:
+                    raise WireError(
+                        "unexpected_type", "this buffer has no run directory to save into"
+                    )
+                version = self.store.policy_version
+                if not 0 <= step <= version + 1:
+                    raise WireError(
+                        "bad_step",
+                        f"SaveBufferState.step {step}: the learner at version {version} "
+                        f"checkpoints a step in [0, {version + 1}]",
+                    )
                 if abandoned:
                     self._take_back_batch(identity)
                 self._save_state(step)
@@ -291,6 +514,23 @@ class BufferService:
                 raise WireError(
                     "unexpected_type", f"the buffer does not serve {type(body).__name__}"
                 )
+
+    def _check_version(self, field: str, version: int) -> None:
+        """The learner's version moves by at most one per message: ``version`` is the
+        current one or the next (``bad_version``, and the store is not touched)."""
+        current = self.store.policy_version
+        if not current <= version <= current + 1:
+            raise WireError("bad_version", f"{field} {version}: the buffer is at version {current}")
+
+    def _dispatch(
+        self, generator_id: str, max_samples: int, now: float, retry: bool = False
+    ) -> list[WorkItem]:
+        """Dispatch at most ``max_samples``, within the generator's in-flight cap (a request
+        the cap cuts is counted once, not on each ``retry`` of a held one)."""
+        room = self.max_in_flight - self.store.in_flight_samples(generator_id)
+        if room < max_samples and not retry:
+            self.counters["work_requests_capped"] += 1
+        return self.store.dispatch(generator_id, max(0, min(max_samples, room)), now)
 
     def _checked_wait(self, wait_s: float) -> float:
         """``WorkRequest.wait_s``, cut to the longest hold the heartbeat timeout allows."""
@@ -326,7 +566,7 @@ class BufferService:
         if state != self.held_seen:
             for held in list(self.held.values()):
                 refusals = {key: self.store.counters[key] for key in REFUSALS}
-                items = self.store.dispatch(held.generator_id, held.max_samples, now)
+                items = self._dispatch(held.generator_id, held.max_samples, now, retry=True)
                 if items:
                     self.counters["work_requests_held_granted"] += 1
                     await self._answer_held(held, items, now)
@@ -361,8 +601,11 @@ class BufferService:
 
     def _service_stats(self) -> dict[str, float]:
         """The service's own counters: rejected messages and held work requests."""
-        stats = {f"buffer_rejected_{k}": float(v) for k, v in self.rejected.items()}
+        reasons = [*REJECTION_REASONS, *(r for r in self.rejected if r not in REJECTION_REASONS)]
+        stats = {f"buffer_rejected_{r}": float(self.rejected[r]) for r in reasons}
         return stats | {
+            "buffer_abandon_noops": float(self.counters["abandon_noops"]),
+            "buffer_work_requests_capped": float(self.counters["work_requests_capped"]),
             "buffer_work_requests_held": float(self.counters["work_requests_held"]),
             "buffer_work_requests_held_granted": float(self.counters["work_requests_held_granted"]),
             "buffer_work_requests_held_now": float(len(self.held)),
@@ -388,14 +631,16 @@ class BufferService:
             self.pending_batch = None
             log.info("the learner's abandoned batch request is cancelled")
             return
+        if self.last_served_to != learner or self.batch_taken_back:
+            self.counters["abandon_noops"] += 1  # not that peer's batch, or back already
+            log.warning("an abandoned batch request with no batch of its own to hand back: ignored")
+            return
         returned = self.store.return_last_batch()
+        self.batch_taken_back = True
         log.info("took back the last batch (%d samples): the learner stopped before it", returned)
 
     def _save_state(self, step: int) -> None:
-        if self.run_dir is None:
-            raise WireError("unexpected_type", "this buffer has no run directory to save into")
-        if step < 0:
-            raise WireError("bad_field", f"SaveBufferState.step must be >= 0, got {step}")
+        assert self.run_dir is not None
         path = checkpoint_dir(self.run_dir, step) / BUFFER_STATE
         path.parent.mkdir(parents=True, exist_ok=True)
         state = self.store.durable_state()
@@ -421,16 +666,21 @@ class BufferService:
         stats |= pools_summary(self.generator_stats, self.generator_pools)
         stats |= self.store.batch_eval_results  # a finished eval round's, once
         metas, arrays = join_samples(batch)
-        await self._reply(self.pending_batch, Trajectories(metas, stats), arrays)
-        self.pending_batch = None
+        learner, self.pending_batch = self.pending_batch, None
+        if await self._reply(learner, Trajectories(metas, stats), arrays):
+            self.last_served_to, self.batch_taken_back = learner, False
+        else:  # the learner is gone or not reading: the batch is not lost
+            self.store.return_last_batch()
+            self.last_served_to, self.batch_taken_back = None, True
 
     async def _reply(self, identity: bytes, body, arrays=None) -> bool:
-        """Send ``body`` to ``identity``; False (and counted) if that peer is gone."""
+        """Send ``body`` to ``identity`` without waiting; False (and counted) if that peer
+        is gone or its queue is full (``ROUTER_HWM``)."""
         try:
-            await self.socket.send_multipart([identity, *encode(body, arrays)], copy=False)
+            frames = [identity, *encode(body, arrays)]
+            await self.socket.send_multipart(frames, copy=False, flags=zmq.DONTWAIT)
         except zmq.ZMQError as error:  # the peer went away; its work is not lost here
-            self.rejected["unroutable_reply"] += 1
-            log.warning("could not reply to a peer: %s", error)
+            self._count_rejection("unroutable_reply", f"could not reply to a peer: {error}")
             return False
         return True
 
@@ -479,38 +729,6 @@ def pools_summary(
 
 # --------------------------------------------------------------------------
 # trajectories <-> flat arrays
-
-
-def split_samples(metas: list[TrajectoryMeta], arrays: dict[str, np.ndarray]) -> list[Sample]:
-    """Cut concatenated token arrays back into samples; lengths must add up."""
-    prompt_total = sum(m.prompt_len for m in metas)
-    response_total = sum(m.response_len for m in metas)
-    if arrays["prompt_ids"].size != prompt_total:
-        raise WireError(
-            "bad_array",
-            f"prompt_ids has {arrays['prompt_ids'].size} tokens, metas say {prompt_total}",
-        )
-    for name in ("response_ids", "logprobs", "token_versions", "loss_mask"):
-        if arrays[name].size != response_total:
-            raise WireError(
-                "bad_array", f"{name} has {arrays[name].size} tokens, metas say {response_total}"
-            )
-    samples, p, r = [], 0, 0
-    for meta in metas:
-        response = slice(r, r + meta.response_len)
-        samples.append(
-            Sample(
-                meta,
-                arrays["prompt_ids"][p : p + meta.prompt_len],
-                arrays["response_ids"][response],
-                arrays["logprobs"][response],
-                arrays["token_versions"][response],
-                arrays["loss_mask"][response],
-            )
-        )
-        p += meta.prompt_len
-        r += meta.response_len
-    return samples
 
 
 def join_samples(samples: list[Sample]) -> tuple[list[TrajectoryMeta], dict[str, np.ndarray]]:

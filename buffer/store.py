@@ -35,7 +35,11 @@ Invariants, and the method that enforces each:
    samples when it requeues its groups, so a group is regenerated whole.
    Ownership is by generator id: a generator presumed dead that asks again and
    is handed back its own requeued group may deliver old and new samples of
-   it; both are samples of the same prompt from the same generator.
+   it; both are samples of the same prompt from the same generator. The
+   service lets only one process (incarnation) speak for a live id, and a new
+   one takes an id over only after :meth:`~BufferStore.replace`,
+   :meth:`~BufferStore.leave` or expiry requeued every group of the old one, so
+   a group booked to an id is always booked to its current process.
 5. Accounting: every accepted sample is in exactly one place, so (with
    ``served_first = served - served_again``; with ``max_reuse = 1`` that is
    just ``served``)::
@@ -241,6 +245,34 @@ class BufferStore:
         Returns how many were requeued (counted like expiry's, as ``requeued_groups``)."""
         self.counters["generators_left"] += 1
         return self._forget(generator_id)
+
+    def replace(self, generator_id: str, now: float) -> int:
+        """A new process took over ``generator_id`` (a restart that kept the id): the old
+        one's unfinished groups are requeued now, counted as ``generators_replaced``, and
+        the id is alive at ``now``. Returns how many groups were requeued."""
+        self.counters["generators_replaced"] += 1
+        requeued = self._forget(generator_id)
+        self.heartbeat(generator_id, now)
+        return requeued
+
+    def in_flight_samples(self, generator_id: str) -> int:
+        """Samples handed to ``generator_id`` (training and eval) and not delivered yet."""
+        training = sum(
+            g.item.num_samples - len(g.samples)
+            for g in self.in_flight.values()
+            if g.generator_id == generator_id
+        )
+        return training + self.evaluation.in_flight_samples(generator_id)
+
+    def handed_out(self, meta: TrajectoryMeta) -> WorkItem | None:
+        """The WorkItem of ``meta``'s group if that group is in flight to ``meta``'s
+        generator (the one a sample of it may come from), else None."""
+        if meta.eval_round != NOT_EVAL:
+            return self.evaluation.handed_out(meta)
+        group = self.in_flight.get(meta.group_id)
+        if group is None or group.generator_id != meta.generator_id:
+            return None
+        return group.item
 
     def _forget(self, generator_id: str) -> int:
         """Stop tracking ``generator_id`` and requeue its unfinished groups (eval groups
@@ -544,6 +576,7 @@ class BufferStore:
             "buffer_in_flight_groups": float(len(self.in_flight)),
             "buffer_requeue_waiting": float(len(self.requeue)),
             "buffer_generators_alive": float(len(self.last_seen)),
+            "buffer_generators_replaced": float(c["generators_replaced"]),
             "buffer_accepted": float(accepted),
             "buffer_served": float(c["served"]),
             "buffer_served_again": float(c["served_again"]),

@@ -33,7 +33,7 @@ POLL_S = 0.1
 
 
 class HeartbeatThread:
-    """Sends ``Heartbeat(generator_id)`` every ``interval_s`` until ``stop``."""
+    """Sends ``Heartbeat(generator_id, incarnation)`` every ``interval_s`` until ``stop``."""
 
     def __init__(
         self,
@@ -42,10 +42,13 @@ class HeartbeatThread:
         generator_id: str,
         interval_s: float,
         reply_timeout_s: float,
+        incarnation: int = 0,
     ):
         self.context = context
         self.endpoint = endpoint
         self.generator_id = generator_id
+        self.incarnation = incarnation
+        """The replica process's incarnation: the buffer takes no heartbeat without it."""
         self.interval_s = interval_s
         self.reply_timeout_s = reply_timeout_s
         self.sent = 0
@@ -88,7 +91,7 @@ class HeartbeatThread:
 
     def _beat(self, client: RequestClient):
         """One heartbeat's reply; None if none came in time or ``stop`` was called."""
-        client.send(Heartbeat(self.generator_id))
+        client.send(Heartbeat(self.generator_id, self.incarnation))
         give_up = time.monotonic() + self.reply_timeout_s
         while not self._stop.is_set():
             try:

@@ -62,11 +62,12 @@ from asyncrl.messages import (
     TrajectoryMeta,
     WorkGrant,
     WorkRequest,
+    new_incarnation,
 )
 from asyncrl.models import build_policy
 from asyncrl.paths import replica_name
 from asyncrl.rewards import RewardScorer, Score
-from asyncrl.security import client_context
+from asyncrl.security import GENERATOR, client_context
 from asyncrl.transport import RequestClient, tcp
 from asyncrl.weights import WeightClient
 
@@ -90,9 +91,12 @@ class GeneratorReplica:
         pool: str,
         buffer: RequestClient,
         weights_endpoint: str,
+        incarnation: int = 0,
     ):
         self.config = config
         self.generator_id = generator_id
+        self.incarnation = incarnation
+        """This process's incarnation, sent with every message (``new_incarnation``)."""
         self.pool = pool
         self.backend = backend
         self.buffer = buffer
@@ -186,7 +190,9 @@ class GeneratorReplica:
     def leave(self) -> None:
         """Tell the buffer this replica stops, so its unfinished groups are requeued now."""
         try:
-            reply, _ = self.buffer.request(Leave(self.generator_id), timeout_s=LEAVE_TIMEOUT_S)
+            reply, _ = self.buffer.request(
+                Leave(self.generator_id, self.incarnation), timeout_s=LEAVE_TIMEOUT_S
+            )
             while isinstance(reply, WorkGrant):  # a held work request, answered before Leave
                 reply, _ = self.buffer.receive(LEAVE_TIMEOUT_S)
         except (TimeoutError, zmq.ZMQError) as error:  # the buffer is gone: nothing to tell
@@ -248,11 +254,13 @@ class GeneratorReplica:
         that way is answered anyway, when the replica says ``Leave``.
         """
         if not self.idle():
-            grant, _ = self.buffer.request(WorkRequest(self.generator_id, room))
+            grant, _ = self.buffer.request(
+                WorkRequest(self.generator_id, room, incarnation=self.incarnation)
+            )
             assert isinstance(grant, WorkGrant), grant
             return grant
         wait_s = self.config.buffer.heartbeat_interval_s
-        self.buffer.send(WorkRequest(self.generator_id, room, wait_s))
+        self.buffer.send(WorkRequest(self.generator_id, room, wait_s, self.incarnation))
         give_up = time.monotonic() + wait_s + self.buffer.timeout_s
         while True:
             try:
@@ -310,7 +318,8 @@ class GeneratorReplica:
         # the replica's own counters ride along, so the run's metrics show them
         self.stats["wall_s"] = time.monotonic() - self.started_at
         stats = {key: float(value) for key, value in self.stats.items()}
-        ack, _ = self.buffer.request(Trajectories(metas, stats, self.pool), arrays)
+        trajectories = Trajectories(metas, stats, self.pool, self.incarnation)
+        ack, _ = self.buffer.request(trajectories, arrays)
         assert isinstance(ack, Ack), ack
         self.stats["samples_sent"] += len(rollouts)
 
@@ -451,7 +460,8 @@ def serve(
     generators = config.generators.model_copy(update={"stop": stop})
     config = config.model_copy(update={"generators": generators})
     torch.manual_seed(seed)
-    context = client_context(config.cluster)
+    context = client_context(config.cluster, GENERATOR)
+    incarnation = new_incarnation()  # this process: the buffer hears no other under its name
     replica = None
     stopping = threading.Event()
 
@@ -466,7 +476,7 @@ def serve(
     backend = build_backend(config, model, tokenizer, work_dir, seed)
     try:
         buffer = RequestClient(context, buffer_endpoint)
-        joined, _ = buffer.request(Join(name, pool))
+        joined, _ = buffer.request(Join(name, pool, incarnation))
         if not isinstance(joined, Joined):
             raise RuntimeError(f"the buffer at {buffer_endpoint} answered Join with {joined!r}")
         log.info("%s joined run %r at version %d", name, joined.run_name, joined.policy_version)
@@ -476,9 +486,10 @@ def serve(
             name,
             config.buffer.heartbeat_interval_s,
             reply_timeout_s=config.buffer.heartbeat_timeout_s,
+            incarnation=incarnation,
         ).start()
         replica = GeneratorReplica(
-            config, name, backend, context, pool, buffer, weights_endpoint(joined)
+            config, name, backend, context, pool, buffer, weights_endpoint(joined), incarnation
         )
         # 1 on a restarted replica (a new id each time): summed over ids, the restart count
         replica.stats["restarts"] = int(restarts > 0)

@@ -1,11 +1,23 @@
 """The learner's process group: one rank per process, gloo on CPU and NCCL on CUDA.
 
-``torchrun`` (``torch.distributed.run``) starts ``learner.world_size`` ranks
-and sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
-``MASTER_PORT``. A single learner is started directly; :func:`init` then
-fills those in for a group of one, so the same FSDP2 code runs either way.
-Only rank 0 talks to the buffer and the generators; :func:`broadcast_batch`
-hands its batch to the other ranks as plain tensors (no pickle).
+How the ranks meet, without a TCP listener reachable from the network:
+
+- one rank (``WORLD_SIZE`` 1, or unset): a :class:`torch.distributed.HashStore`
+  in the process, no store server at all;
+- ranks the local launcher started (``asyncrl launch`` with
+  ``learner.world_size > 1``, or a local Ray): ``RANK``, ``WORLD_SIZE``,
+  ``LOCAL_RANK`` and ``ASYNCRL_LEARNER_STORE``, the path of a
+  :class:`torch.distributed.FileStore` in a directory only this user can
+  enter, created fresh at each start;
+- anything else that sets ``MASTER_ADDR`` and ``MASTER_PORT`` (torchrun, Ray
+  across nodes): ``env://``, torch's TCPStore, which listens on every
+  interface (docs/security.md).
+
+In the first two cases every rank is on this machine, so gloo's and NCCL's own
+sockets are put on the loopback interface (``GLOO_SOCKET_IFNAME`` /
+``NCCL_SOCKET_IFNAME`` set to ``lo`` unless already set). Only rank 0 talks to
+the buffer and the generators; :func:`broadcast_batch` hands its batch to the
+other ranks as plain tensors (no pickle).
 """
 
 from __future__ import annotations
@@ -21,7 +33,10 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.learner.batch import TrainBatch
-from asyncrl.transport import free_port
+from asyncrl.roles import LEARNER_STORE_ENV as STORE_ENV
+
+LOOPBACK = "lo"
+SOCKET_IFNAME_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 @dataclass(frozen=True)
@@ -45,18 +60,31 @@ def pick_device(choice: str) -> torch.device:
 
 def init(device_choice: str = "auto") -> Ranks:
     """Join (or, for a single rank, create) the learner's process group."""
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
+    rank = int(os.environ.setdefault("RANK", "0"))
+    world_size = int(os.environ.setdefault("WORLD_SIZE", "1"))
     os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(free_port(os.environ["MASTER_ADDR"]))
     device = pick_device(device_choice)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        store = local_store(world_size)
+        if store is None:  # torchrun, Ray across machines: env:// (MASTER_ADDR, MASTER_PORT)
+            dist.init_process_group(backend=backend)
+        else:
+            for name in SOCKET_IFNAME_ENV:  # read by gloo / NCCL when the group is made
+                os.environ.setdefault(name, LOOPBACK)
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
     return Ranks(dist.get_rank(), dist.get_world_size(), device)
+
+
+def local_store(world_size: int) -> dist.Store | None:
+    """The store of a group whose ranks all run on this machine; None for ``env://``."""
+    if world_size == 1:
+        return dist.HashStore()
+    if path := os.environ.get(STORE_ENV):
+        return dist.FileStore(path, world_size)
+    return None
 
 
 def shutdown() -> None:

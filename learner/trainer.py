@@ -12,7 +12,11 @@ batch handed over at version ``V`` holds no sample older than ``V -
 max_staleness`` (the buffer's ``take_batch`` guarantees it; this loop reports
 the staleness it actually got). Weights are published every
 ``sync_interval`` versions, and a checkpoint is written every
-``checkpoint_every`` steps.
+``checkpoint_every`` steps. A batch whose update is not finite (a NaN reward,
+say) still counts as a step but changes no weight (:mod:`.update`,
+``learner_skipped_nonfinite_total``); a checkpoint of non-finite weights is
+refused, never marked complete (:mod:`.checkpoint`,
+``learner_checkpoints_refused_total``).
 
 SIGTERM (or SIGINT) stops the learner at a step boundary: rank 0 abandons a
 batch it is still waiting for, or finishes the step it is training; every
@@ -68,7 +72,7 @@ from asyncrl.messages import (
 )
 from asyncrl.models import DTYPES, build_policy, empty_like
 from asyncrl.paths import checkpoint_dir
-from asyncrl.security import client_context, curve_keys
+from asyncrl.security import LEARNER, client_context
 from asyncrl.tracking import Tracker
 from asyncrl.transport import RequestClient, tcp
 from asyncrl.weights import WeightPublisher
@@ -212,6 +216,8 @@ class Learner:
         self.update = Update(self.model, self.optimizer, config, ranks, self.reference)
         self.step = 0
         """Steps done; also the policy version."""
+        self.checkpoints_refused = 0
+        """Checkpoints not written because the weights or optimizer state were not finite."""
 
     @property
     def version(self) -> int:
@@ -221,6 +227,7 @@ class Learner:
         self.model.train()
         metrics = self.update(batch, self.version)
         metrics["learner_lr"] = self.scheduler.get_last_lr()[0]
+        metrics["learner_checkpoints_refused_total"] = float(self.checkpoints_refused)
         self.scheduler.step()
         self.step += 1
         return metrics
@@ -229,14 +236,23 @@ class Learner:
         """The policy's full tensors, one at a time (a collective: every rank drains it)."""
         return sharding.full_tensors(self.model, self.publish_prefix)
 
-    def save_checkpoint(self, path: Path) -> None:
-        state = {"step": self.step, "scheduler": self.scheduler.state_dict()}
-        checkpoint.save(path, self.model, self.optimizer, state, self.ranks.rank)
+    def save_checkpoint(self, path: Path) -> bool:
+        """Write this rank's part; False (on every rank) if refused as not finite."""
+        state = {
+            "step": self.step,
+            "scheduler": self.scheduler.state_dict(),
+            "skipped_nonfinite_total": self.update.skipped_nonfinite,
+        }
+        saved = checkpoint.save(path, self.model, self.optimizer, state, self.ranks.rank)
+        if not saved:
+            self.checkpoints_refused += 1
+        return saved
 
     def load_checkpoint(self, path: Path) -> None:
         state = checkpoint.load(path, self.model, self.optimizer, self.ranks.rank)
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
+        self.update.skipped_nonfinite = state.get("skipped_nonfinite_total", 0)
 
     def save_pretrained(self, path: Path) -> None:
         """The policy in Hugging Face format (rank 0 writes; every rank must call)."""
@@ -317,7 +333,8 @@ def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
                 if main and eval_due(config, learner.version):
                     main.start_eval(learner.version)
             if main:
-                main.log(batch, consumed_version, metrics | buffer_stats, wait_s, update_s, stall)
+                metrics |= buffer_stats | main.publisher.stats()  # weights_* counters
+                main.log(batch, consumed_version, metrics, wait_s, update_s, stall)
             if (
                 config.learner.checkpoint_every
                 and learner.step % config.learner.checkpoint_every == 0
@@ -379,7 +396,8 @@ def save_checkpoint(
     buffer_timeout_s: float | None = None,
 ) -> None:
     path = checkpoint_dir(run_dir, learner.step)
-    learner.save_checkpoint(path)
+    if not learner.save_checkpoint(path):
+        return  # not finite: refused and logged; no buffer state, never COMPLETE
     if main is not None:
         main.buffer.save_state(learner.step, buffer_timeout_s)
         checkpoint.mark_complete(path)
@@ -392,11 +410,11 @@ class _MainRank:
     def __init__(self, config: Config, run_dir: Path, learner: Learner, cleanup: ExitStack):
         self.config = config
         self.tokenizer = learner.tokenizer
-        self.context = client_context(config.cluster)
+        self.context = client_context(config.cluster, LEARNER)
         cleanup.callback(self.context.destroy, linger=0)
         self.publisher = WeightPublisher(
             tcp(config.cluster.bind_address, config.cluster.weights_port),
-            curve=curve_keys(config.cluster),
+            cluster=config.cluster,
         )
         cleanup.callback(self.publisher.close)
         self.buffer = BufferClient(

@@ -13,10 +13,19 @@ Losses are normalised by counts over the whole mini-batch on all ranks (see
 :func:`~asyncrl.learner.algorithms.aggregate`), so the sum over micro-batches
 and ranks is the loss of the full mini-batch whatever the split; FSDP averages
 gradients over ranks, which each rank's loss undoes by a factor ``world_size``.
+
+An update whose loss or total gradient norm is not finite (a NaN or infinite
+reward or advantage in the batch, say) is not applied: its gradients are
+dropped, the optimizer does not step, and ``learner_skipped_nonfinite_total``
+counts it. Every rank decides alike (the loss is summed over ranks, the norm
+is the global one), so the shards stay in step.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -42,6 +51,10 @@ from asyncrl.learner.sharding import forward
 
 MAX_KEYS = ("importance_weight_max",)
 """Statistics reduced by max over micro-batches and ranks; the rest are token-weighted means."""
+SKIP_WARNING_EVERY_S = 60.0
+"""At most one warning per this many seconds about skipped non-finite updates."""
+
+log = logging.getLogger("asyncrl.learner")
 
 
 @dataclass
@@ -92,6 +105,10 @@ class Update:
         self.ranks = ranks
         self.reference = reference
         self.temperature = config.generators.temperature
+        self.skipped_nonfinite = 0
+        """Optimizer updates not applied because the loss or gradient norm was not finite."""
+        self._warned_at = -math.inf
+        self._unwarned = 0
 
     def __call__(self, batch: TrainBatch, version: int) -> dict[str, float]:
         algorithm, learner = self.algorithm, self.config.learner
@@ -131,7 +148,7 @@ class Update:
 
         sums: defaultdict[str, float] = defaultdict(float)
         maxima: dict[str, float] = {}
-        for plan, update in zip(plans, mine, strict=True):
+        for number, (plan, update) in enumerate(zip(plans, mine, strict=True)):
             everyone = torch.tensor([i for rank in plan for rows in rank for i in rows])
             normalizers = {
                 "num_tokens": batch.loss_mask[everyone].sum().item(),
@@ -140,11 +157,13 @@ class Update:
             }
             self.optimizer.zero_grad(set_to_none=True)
             parts = micro_batches(update, lengths)
+            loss = 0.0  # this rank's share of the mini-batch's objective
             for index, part in enumerate(parts):
                 self.model.set_requires_gradient_sync(index == len(parts) - 1)
-                stats = self._micro_step(
+                stats, part_loss = self._micro_step(
                     batch, part, advantages, returns, pre, normalizers, version
                 )
+                loss += part_loss
                 for key, (value, weight) in stats.items():
                     if key in MAX_KEYS:
                         maxima[key] = max(maxima.get(key, float("-inf")), value)
@@ -154,16 +173,62 @@ class Update:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), learner.grad_clip)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
-            sums["learner_grad_norm"] += grad_norm.item()
+            norm = grad_norm.item()  # the global norm: the same on every rank
+            sums["learner_grad_norm"] += norm
             sums["learner_grad_norm/weight"] += 1.0
-            self.optimizer.step()
+            loss = self._summed_over_ranks(loss)
+            if math.isfinite(loss) and math.isfinite(norm):
+                self.optimizer.step()
+            else:  # a NaN or inf would reach the weights and the optimizer state
+                self.optimizer.zero_grad(set_to_none=True)
+                self._skip_nonfinite(version, number, len(plans), loss, norm)
         return self._reduce(sums, maxima) | {
             "advantage_abs_mean": advantages[batch.loss_mask.bool()].abs().mean().item()
             if batch.loss_mask.any()
             else 0.0,
             "learner_minibatches": float(len(mine)),
             "learner_microbatches": float(sum(len(update) for update in mine)),
+            "learner_skipped_nonfinite_total": float(self.skipped_nonfinite),
         }
+
+    def _summed_over_ranks(self, value: float) -> float:
+        """``value`` summed over ranks (a NaN or inf on any rank makes the sum non-finite)."""
+        if self.ranks.world_size == 1:
+            return value
+        total = torch.tensor([value], dtype=torch.float64, device=self.ranks.device)
+        dist.all_reduce(total)
+        return total.item()
+
+    def _skip_nonfinite(
+        self, version: int, minibatch: int, minibatches: int, loss: float, norm: float
+    ) -> None:
+        """Count an update not applied; warn (rank 0, at most every
+        :data:`SKIP_WARNING_EVERY_S`) naming the step and what was not finite."""
+        self.skipped_nonfinite += 1
+        self._unwarned += 1
+        now = time.monotonic()
+        if not self.ranks.is_main or now - self._warned_at < SKIP_WARNING_EVERY_S:
+            return
+        what = " and ".join(
+            name
+            for name, value in (("loss", loss), ("gradient norm", norm))
+            if not math.isfinite(value)
+        )
+        log.warning(
+            "step %d (mini-batch %d of %d): %s not finite (loss %s, gradient norm %s): "
+            "update skipped, gradients dropped; %d update(s) skipped so far, %d since the last "
+            "such warning (learner_skipped_nonfinite_total)",
+            version,
+            minibatch + 1,
+            minibatches,
+            what,
+            loss,
+            norm,
+            self.skipped_nonfinite,
+            self._unwarned,
+        )
+        self._warned_at = now
+        self._unwarned = 0
 
     # ---------------------------------------------------------------- passes
 
@@ -217,8 +282,9 @@ class Update:
         pre: dict[str, torch.Tensor],
         normalizers: dict[str, float],
         version: int,
-    ) -> dict[str, tuple[float, float]]:
-        """Forward and backward one micro-batch; returns ``{stat: (value, weight)}``."""
+    ) -> tuple[dict[str, tuple[float, float]], float]:
+        """Forward and backward one micro-batch; returns ``{stat: (value, weight)}`` and
+        the value of the objective that was back-propagated."""
         algorithm, device = self.algorithm, self.ranks.device
         input_ids, attention_mask = part.input(batch, device)
         mask = part.tokens(batch.loss_mask, device) * part.weight
@@ -277,6 +343,7 @@ class Update:
             with torch.no_grad():
                 entropy = entropy_from_logits(logits, self.temperature)
         (total * self.ranks.world_size).backward()
+        total_value = total.item()
 
         with torch.no_grad():
             tokens = float(mask.sum().item())
@@ -298,7 +365,7 @@ class Update:
                 mismatch.mean().item() if mismatch.numel() else 0.0,
                 float(mismatch.numel()),
             )
-        return result
+        return result, total_value
 
     def _reduce(self, sums: dict[str, float], maxima: dict[str, float]) -> dict[str, float]:
         """Means (and maxima) over micro-batches and ranks.

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from buffer_wire import Peers
 
 
 @pytest.fixture
@@ -16,6 +17,15 @@ def context() -> Iterator[zmq.Context]:
     context = zmq.Context()
     yield context
     context.destroy(linger=0)
+
+
+@pytest.fixture
+def peers() -> Iterator[Peers]:
+    """Sockets of the run's roles with their credentials (``buffer_wire.Peers``), closed
+    with every socket left open on them."""
+    made = Peers()
+    yield made
+    made.close()
 
 
 # ---------------------------------------------------------------------------- real model

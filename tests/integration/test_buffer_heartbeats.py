@@ -22,7 +22,7 @@ from asyncrl.messages import (
     WorkGrant,
     WorkRequest,
 )
-from asyncrl.transport import client_socket
+from asyncrl.security import GENERATOR
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,11 +55,11 @@ def wait_until(condition, while_waiting, timeout_s: float = 10.0) -> None:
 
 
 def test_a_silent_generator_s_groups_go_to_another_and_its_late_samples_are_duplicates(
-    buffer, context
+    buffer, peers
 ):
-    a = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
-    b = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
-    learner = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+    a = peers.generator(buffer, REPLY_TIMEOUT_S)
+    b = peers.generator(buffer, REPLY_TIMEOUT_S)
+    learner = peers.learner(buffer, REPLY_TIMEOUT_S)
 
     grant = exchange(a, WorkRequest("gen-a", max_samples=BATCH))
     assert [item.group_id for item in grant.items] == [0, 1]
@@ -98,11 +98,11 @@ def test_a_silent_generator_s_groups_go_to_another_and_its_late_samples_are_dupl
     assert buffer.store.accounted() == buffer.store.counters["accepted"]
 
 
-def test_heartbeats_keep_a_busy_generator_s_groups(context):
+def test_heartbeats_keep_a_busy_generator_s_groups(peers):
     # a longer timeout than elsewhere: a 0.1s heartbeat must not miss it on a loaded machine
     timeout_s = 1.0
     with running_buffer(make_config(heartbeat_timeout_s=timeout_s)) as buffer:
-        a = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        a = peers.generator(buffer, REPLY_TIMEOUT_S)
         grant = exchange(a, WorkRequest("gen-a", max_samples=BATCH))
         assert len(grant.items) == 2
 
@@ -115,7 +115,7 @@ def test_heartbeats_keep_a_busy_generator_s_groups(context):
         assert set(buffer.store.in_flight) == {0, 1}
 
 
-def test_the_heartbeat_thread_keeps_a_replica_alive_while_its_loop_is_blocked(context):
+def test_the_heartbeat_thread_keeps_a_replica_alive_while_its_loop_is_blocked(peers):
     """A replica stuck in one long engine call (here: its thread asleep for three
     timeouts) keeps its groups: liveness comes from a thread of its own. Once that
     thread stops, as when the process is SIGSTOPped, the buffer expires it."""
@@ -123,9 +123,10 @@ def test_the_heartbeat_thread_keeps_a_replica_alive_while_its_loop_is_blocked(co
 
     timeout_s = 1.0
     with running_buffer(make_config(heartbeat_timeout_s=timeout_s)) as buffer:
-        a = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        a = peers.generator(buffer, REPLY_TIMEOUT_S)
         grant = exchange(a, WorkRequest("gen-a", max_samples=BATCH))
         assert len(grant.items) == 2
+        context = peers.context(buffer.config, GENERATOR)
         heartbeats = HeartbeatThread(context, buffer.endpoint, "gen-a", 0.1, timeout_s).start()
         time.sleep(3 * timeout_s)  # the "chunk": nothing from this thread
         assert buffer.store.counters["requeued_groups"] == 0
@@ -141,11 +142,11 @@ def test_the_heartbeat_thread_keeps_a_replica_alive_while_its_loop_is_blocked(co
         assert "gen-a" not in buffer.store.last_seen
 
 
-def test_back_pressure_refuses_work_with_a_retry_hint_while_a_batch_is_still_served(context):
+def test_back_pressure_refuses_work_with_a_retry_hint_while_a_batch_is_still_served(peers):
     config = make_config("buffer.max_held_samples=8", "buffer.max_staleness=3")
     with running_buffer(config) as buffer:
-        generator = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
-        learner = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        generator = peers.generator(buffer, REPLY_TIMEOUT_S)
+        learner = peers.learner(buffer, REPLY_TIMEOUT_S)
         grant = exchange(generator, WorkRequest("gen-a", max_samples=BATCH))
         for item in grant.items:
             assert send_samples(generator, item.group_id, GROUP, "gen-a") == Ack(
@@ -171,8 +172,8 @@ def test_back_pressure_refuses_work_with_a_retry_hint_while_a_batch_is_still_ser
         assert [item.group_id for item in grant.items] == [2, 3]
 
 
-def test_a_joining_generator_learns_the_weights_port_and_is_listed_in_status(buffer, context):
-    sock = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+def test_a_joining_generator_learns_the_weights_port_and_is_listed_in_status(buffer, peers):
+    sock = peers.generator(buffer, REPLY_TIMEOUT_S)
     joined = exchange(sock, Join("extra-host-1", pool="extra"))
     assert joined == Joined(buffer.config.cluster.weights_port, 0, buffer.config.run.name)
     exchange(sock, WorkRequest("extra-host-1", max_samples=GROUP_SIZE))
@@ -184,11 +185,11 @@ def test_a_joining_generator_learns_the_weights_port_and_is_listed_in_status(buf
     assert status.stats["buffer_in_flight_groups"] == 1
 
 
-def test_a_generator_that_leaves_hands_its_groups_back_at_once(context):
+def test_a_generator_that_leaves_hands_its_groups_back_at_once(peers):
     config = make_config(heartbeat_timeout_s=60)  # expiry would take a minute
     with running_buffer(config) as buffer:
-        leaving = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
-        staying = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        leaving = peers.generator(buffer, REPLY_TIMEOUT_S)
+        staying = peers.generator(buffer, REPLY_TIMEOUT_S)
         grant = exchange(leaving, WorkRequest("gen-a", max_samples=BATCH))
         taken = sorted(item.group_id for item in grant.items)
         send_samples(leaving, taken[0], range(1), "gen-a")  # one partial sample

@@ -16,7 +16,7 @@ import time
 
 import pytest
 import zmq
-from buffer_wire import buffer_config, exchange, send_samples
+from buffer_wire import Peers, buffer_config, exchange, send_samples
 from running_buffer import RunningBuffer, running_buffer
 
 from asyncrl.buffer.service import busy_fraction
@@ -33,6 +33,7 @@ from asyncrl.messages import (
     decode,
     encode,
 )
+from asyncrl.security import GENERATOR, LEARNER
 from asyncrl.transport import RequestClient, client_socket
 
 pytestmark = pytest.mark.timeout(60)
@@ -93,13 +94,13 @@ def ids(grant: WorkGrant) -> list[int]:
 # --------------------------------------------------------------------------
 
 
-def test_a_held_request_is_answered_with_work_once_the_learner_s_next_step_admits_it(context):
+def test_a_held_request_is_answered_with_work_once_the_learner_s_next_step_admits_it(peers):
     with running_buffer(make_config()) as buffer:
-        taker = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
-        a = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
-        c = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
-        learner = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
-        observer = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        taker = peers.generator(buffer, REPLY_TIMEOUT_S)
+        a = peers.generator(buffer, REPLY_TIMEOUT_S)
+        c = peers.generator(buffer, REPLY_TIMEOUT_S)
+        learner = peers.learner(buffer, REPLY_TIMEOUT_S)
+        observer = peers.observer(buffer, REPLY_TIMEOUT_S)
         for group_id in close_admission(taker):
             assert send_samples(taker, group_id, GROUP, "gen-x", reward=float) == ACCEPTED
 
@@ -135,10 +136,10 @@ def test_a_held_request_is_answered_with_work_once_the_learner_s_next_step_admit
     assert isinstance(last, WorkGrant) and last.items == []
 
 
-def test_a_held_request_with_nothing_to_give_is_answered_empty_at_its_deadline(context):
+def test_a_held_request_with_nothing_to_give_is_answered_empty_at_its_deadline(peers):
     with running_buffer(make_config()) as buffer:
-        taker = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
-        a = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        taker = peers.generator(buffer, REPLY_TIMEOUT_S)
+        a = peers.generator(buffer, REPLY_TIMEOUT_S)
         close_admission(taker)
 
         grant = exchange(a, WorkRequest("gen-a", BATCH, wait_s=0.2))
@@ -152,9 +153,9 @@ def test_a_held_request_with_nothing_to_give_is_answered_empty_at_its_deadline(c
         assert stats["buffer_work_requests_held_now"] == 0.0
 
 
-def test_without_wait_s_a_refused_request_is_answered_at_once_with_a_retry_hint(context):
+def test_without_wait_s_a_refused_request_is_answered_at_once_with_a_retry_hint(peers):
     with running_buffer(make_config()) as buffer:
-        taker = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        taker = peers.generator(buffer, REPLY_TIMEOUT_S)
         close_admission(taker)
         refused = exchange(taker, WorkRequest("gen-x", BATCH))
         assert refused.items == [] and refused.retry_after_s > 0
@@ -162,9 +163,9 @@ def test_without_wait_s_a_refused_request_is_answered_at_once_with_a_retry_hint(
 
 
 @pytest.mark.parametrize("wait_s", [-1.0, math.nan, math.inf], ids=["negative", "nan", "inf"])
-def test_an_invalid_wait_s_is_rejected_as_bad_field_and_the_buffer_keeps_serving(context, wait_s):
+def test_an_invalid_wait_s_is_rejected_as_bad_field_and_the_buffer_keeps_serving(peers, wait_s):
     with running_buffer(make_config()) as buffer:
-        sock = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        sock = peers.generator(buffer, REPLY_TIMEOUT_S)
 
         reply = exchange(sock, WorkRequest("gen-a", BATCH, wait_s=wait_s))
 
@@ -178,13 +179,13 @@ def test_an_invalid_wait_s_is_rejected_as_bad_field_and_the_buffer_keeps_serving
         assert status(sock).stats["buffer_rejected_bad_field"] == 1.0
 
 
-def test_a_generator_waiting_at_the_buffer_is_never_taken_for_silent(context):
+def test_a_generator_waiting_at_the_buffer_is_never_taken_for_silent(peers):
     # a wait far beyond the 0.5 s timeout: the buffer cuts it, so the generator speaks
     # again before it could expire, and keeps the groups it was given
     timeout_s = 0.5
     config = make_config(heartbeat_timeout_s=timeout_s)
     with running_buffer(config) as buffer:
-        a = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        a = peers.generator(buffer, REPLY_TIMEOUT_S)
         taken = exchange(a, WorkRequest("gen-a", max_samples=BATCH))
         assert ids(taken) == [0, 1]
 
@@ -198,9 +199,9 @@ def test_a_generator_waiting_at_the_buffer_is_never_taken_for_silent(context):
         assert set(buffer.store.in_flight) == {0, 1}
 
 
-def test_leave_answers_the_held_request_first_then_requeues(context):
+def test_leave_answers_the_held_request_first_then_requeues(peers):
     with running_buffer(make_config()) as buffer:
-        a = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        a = peers.generator(buffer, REPLY_TIMEOUT_S)
         taken = exchange(a, WorkRequest("gen-a", max_samples=BATCH))
         assert ids(taken) == [0, 1]
 
@@ -214,12 +215,12 @@ def test_leave_answers_the_held_request_first_then_requeues(context):
         assert "gen-a" not in buffer.service.held
 
 
-def test_a_newer_request_of_the_same_generator_replaces_the_held_one(context):
+def test_a_newer_request_of_the_same_generator_replaces_the_held_one(peers):
     with running_buffer(make_config()) as buffer:
-        taker = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
-        old = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
-        new = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
-        learner = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        taker = peers.generator(buffer, REPLY_TIMEOUT_S)
+        old = peers.generator(buffer, REPLY_TIMEOUT_S)
+        new = peers.generator(buffer, REPLY_TIMEOUT_S)
+        learner = peers.learner(buffer, REPLY_TIMEOUT_S)
         for group_id in close_admission(taker):
             assert send_samples(taker, group_id, GROUP, "gen-x", reward=float) == ACCEPTED
 
@@ -235,11 +236,11 @@ def test_a_newer_request_of_the_same_generator_replaces_the_held_one(context):
         assert ids(receive(new)) == [2, 3]
 
 
-def test_generators_busy_fraction_reaches_the_learner_s_stats(context):
+def test_generators_busy_fraction_reaches_the_learner_s_stats(peers):
     with running_buffer(make_config()) as buffer:
-        a = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
-        b = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
-        learner = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        a = peers.generator(buffer, REPLY_TIMEOUT_S)
+        b = peers.generator(buffer, REPLY_TIMEOUT_S)
+        learner = peers.learner(buffer, REPLY_TIMEOUT_S)
         assert ids(exchange(a, WorkRequest("gen-a", GROUP_SIZE))) == [0]
         assert ids(exchange(b, WorkRequest("gen-b", GROUP_SIZE))) == [1]
         assert (
@@ -276,25 +277,27 @@ def test_busy_fraction_counts_live_replicas_only_and_is_absent_before_any_report
 # the replica's side
 
 
-def replica_for(buffer: RunningBuffer, context: zmq.Context, generator_id: str = "gen-w"):
+def replica_for(buffer: RunningBuffer, peers: Peers, generator_id: str = "gen-w"):
     from asyncrl.generators.worker import GeneratorReplica
 
+    context = peers.context(buffer.config, GENERATOR)
     client = RequestClient(context, buffer.endpoint, timeout_s=REPLY_TIMEOUT_S)
     weights = f"tcp://127.0.0.1:{buffer.config.cluster.weights_port}"
     return GeneratorReplica(buffer.config, generator_id, None, context, "default", client, weights)
 
 
-def test_an_idle_replica_waits_at_the_buffer_and_gets_work_when_the_learner_admits_it(context):
+def test_an_idle_replica_waits_at_the_buffer_and_gets_work_when_the_learner_admits_it(peers):
     config = make_config(heartbeat_interval_s=20)  # the replica's wait_s
     with running_buffer(config) as buffer:
-        taker = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        taker = peers.generator(buffer, REPLY_TIMEOUT_S)
         for group_id in close_admission(taker):
             assert send_samples(taker, group_id, GROUP, "gen-x", reward=float) == ACCEPTED
-        replica = replica_for(buffer, context)
+        replica = replica_for(buffer, peers)
         assert replica.idle()
+        learner_context = peers.context(buffer.config, LEARNER)
 
         def learner() -> None:  # its next step, once the replica is waiting
-            sock = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+            sock = client_socket(learner_context, buffer.endpoint, REPLY_TIMEOUT_S)
             try:
                 held_now(sock, 1)
                 exchange(sock, BatchRequest(policy_version=0))
@@ -315,12 +318,12 @@ def test_an_idle_replica_waits_at_the_buffer_and_gets_work_when_the_learner_admi
         assert buffer.service.counters["work_requests_held_granted"] == 1
 
 
-def test_a_replica_stopped_while_waiting_gives_up_the_request_and_still_leaves(context):
+def test_a_replica_stopped_while_waiting_gives_up_the_request_and_still_leaves(peers):
     config = make_config(heartbeat_interval_s=20)
     with running_buffer(config) as buffer:
-        taker = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        taker = peers.generator(buffer, REPLY_TIMEOUT_S)
         close_admission(taker)
-        replica = replica_for(buffer, context)
+        replica = replica_for(buffer, peers)
         replica.stopping = True  # as SIGTERM sets it
 
         try:
@@ -336,12 +339,12 @@ def test_a_replica_stopped_while_waiting_gives_up_the_request_and_still_leaves(c
         assert replica.buffer.socket.poll(0) == 0  # both replies were read
 
 
-def test_a_busy_replica_does_not_ask_the_buffer_to_hold_its_request(context):
+def test_a_busy_replica_does_not_ask_the_buffer_to_hold_its_request(peers):
     config = make_config(heartbeat_interval_s=20)
     with running_buffer(config) as buffer:
-        taker = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
+        taker = peers.generator(buffer, REPLY_TIMEOUT_S)
         close_admission(taker)
-        replica = replica_for(buffer, context)
+        replica = replica_for(buffer, peers)
         replica.active.append(object())  # a rollout in progress
         try:
             assert not replica.idle()

@@ -23,12 +23,12 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
-import zmq
 from buffer_wire import buffer_config, exchange, send_samples
 
-from asyncrl.config import Config, save_config
+from asyncrl.config import ClusterConfig, Config, save_config
 from asyncrl.launch import Supervisor, make_run_dir
 from asyncrl.messages import Ack, BatchRequest, Heartbeat, Trajectories, WorkGrant, WorkRequest
+from asyncrl.security import GENERATOR, LEARNER, client_context
 from asyncrl.transport import client_socket, tcp
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -40,8 +40,9 @@ HEARTBEAT_S = 0.2
 REPLY_TIMEOUT_S = 20.0  # the first request also waits for the buffer process to start
 EVENT_TIMEOUT_S = 20.0
 SPAWN = multiprocessing.get_context("spawn")
-SAMPLE = {"prompt_len": 5, "response_len": 6, "reward": lambda i: 0.25 * i, "generate_time_s": 0.1}
-"""How the clients' samples look (``trajectories`` options)."""
+SAMPLE = {"response_len": 4, "reward": lambda i: 0.25 * i, "generate_time_s": 0.1}
+"""How the clients' samples look (``trajectories`` options; quickstart's
+``generators.max_new_tokens`` is 4, and each sample carries its group's prompt)."""
 
 
 # --------------------------------------------------------------------------
@@ -53,12 +54,14 @@ def item_key(item) -> tuple:
     return (item.group_id, item.num_samples, tuple(item.prompt_ids), item.ground_truth)
 
 
-def stalling_generator(endpoint: str, generator_id: str, conn: Connection) -> None:
+def stalling_generator(
+    endpoint: str, cluster: ClusterConfig, generator_id: str, conn: Connection
+) -> None:
     """Take two groups, deliver half of the first, then only heartbeat until told otherwise.
 
     On ``"send_rest"`` it delivers the rest of its work late and reports the acks.
     """
-    context = zmq.Context()
+    context = client_context(cluster, GENERATOR)
     sock = client_socket(context, endpoint, REPLY_TIMEOUT_S)
     grant = exchange(sock, WorkRequest(generator_id, max_samples=BATCH))
     assert isinstance(grant, WorkGrant), grant
@@ -80,10 +83,12 @@ def stalling_generator(endpoint: str, generator_id: str, conn: Connection) -> No
         assert exchange(sock, Heartbeat(generator_id)) == Ack(accepted=0)
 
 
-def steady_generator(endpoint: str, generator_id: str, conn: Connection, groups: int) -> None:
+def steady_generator(
+    endpoint: str, cluster: ClusterConfig, generator_id: str, conn: Connection, groups: int
+) -> None:
     """Ask for work as a replica does (waiting ``retry_after_s`` when refused) and finish every
     group it is given at once, until it has finished ``groups`` groups."""
-    context = zmq.Context()
+    context = client_context(cluster, GENERATOR)
     sock = client_socket(context, endpoint, REPLY_TIMEOUT_S)
     finished = 0
     while finished < groups:
@@ -100,10 +105,10 @@ def steady_generator(endpoint: str, generator_id: str, conn: Connection, groups:
     conn.send(("done", time.monotonic()))
 
 
-def fast_sender(endpoint: str, generator_id: str, conn: Connection) -> None:
+def fast_sender(endpoint: str, cluster: ClusterConfig, generator_id: str, conn: Connection) -> None:
     """Ask for work again and again and send each group as soon as it is granted; report
     every grant, refusal and ack, until the test says ``"stop"``."""
-    context = zmq.Context()
+    context = client_context(cluster, GENERATOR)
     sock = client_socket(context, endpoint, REPLY_TIMEOUT_S)
     while not conn.poll(0):
         grant = exchange(sock, WorkRequest(generator_id, max_samples=BATCH))
@@ -134,13 +139,15 @@ class Run:
         self.endpoint = tcp("127.0.0.1", config.cluster.buffer_port)
         self.supervisor = Supervisor(config, self.run_dir)
         self.clients: list[multiprocessing.Process] = []
-        self.context = zmq.Context()
+        self.context = client_context(config.cluster, LEARNER)
         self.learner = client_socket(self.context, self.endpoint, REPLY_TIMEOUT_S)
 
     def start_client(self, target: Callable, generator_id: str, *args) -> tuple:
         ours, theirs = SPAWN.Pipe()
         process = SPAWN.Process(
-            target=target, args=(self.endpoint, generator_id, theirs, *args), daemon=True
+            target=target,
+            args=(self.endpoint, self.config.cluster, generator_id, theirs, *args),
+            daemon=True,
         )
         process.start()
         theirs.close()

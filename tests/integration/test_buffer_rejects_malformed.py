@@ -23,7 +23,6 @@ from asyncrl.messages import (
     encode,
     encode_raw,
 )
-from asyncrl.transport import client_socket
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,12 +38,9 @@ def buffer():
 
 
 @pytest.fixture
-def client(buffer):
-    context = zmq.Context()
-    sock = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_S)
-    yield sock
-    sock.close(linger=0)
-    context.term()
+def client(buffer, peers):
+    """A generator's socket."""
+    return peers.generator(buffer, REPLY_TIMEOUT_S)
 
 
 def reply_to(sock: zmq.Socket, frames) -> object:
@@ -137,20 +133,15 @@ def test_trajectories_for_a_dispatched_group_are_accepted(buffer, client):
     assert buffer.store.held_samples() == GROUP_SIZE
 
 
-def test_a_waiting_learner_gets_its_batch_once_enough_groups_arrive(buffer, client):
-    learner = client_socket(client.context, buffer.endpoint, REPLY_TIMEOUT_S)
-    try:
-        learner.send_multipart(encode(BatchRequest(policy_version=0)))
-        grant = assert_still_grants_work(client)
-        for item in grant.items:
-            reply = reply_to(
-                client, encode(*trajectories(item.group_id, range(GROUP_SIZE), GENERATOR))
-            )
-            assert reply == Ack(accepted=GROUP_SIZE, rejected=0)
+def test_a_waiting_learner_gets_its_batch_once_enough_groups_arrive(buffer, client, peers):
+    learner = peers.learner(buffer, REPLY_TIMEOUT_S)
+    learner.send_multipart(encode(BatchRequest(policy_version=0)))
+    grant = assert_still_grants_work(client)
+    for item in grant.items:
+        reply = reply_to(client, encode(*trajectories(item.group_id, range(GROUP_SIZE), GENERATOR)))
+        assert reply == Ack(accepted=GROUP_SIZE, rejected=0)
 
-        batch, arrays = decode(learner.recv_multipart())
-    finally:
-        learner.close(linger=0)
+    batch, arrays = decode(learner.recv_multipart())
 
     assert isinstance(batch, Trajectories)
     assert len(batch.samples) == 2 * GROUP_SIZE

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from buffer_wire import buffer_config, exchange, send_samples
+from buffer_wire import Peers, buffer_config, exchange, send_samples
 from running_buffer import running_buffer
 
 from asyncrl.messages import (
@@ -28,7 +28,6 @@ from asyncrl.messages import (
     encode,
 )
 from asyncrl.paths import BUFFER_STATE, checkpoint_dir
-from asyncrl.transport import client_socket
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,9 +45,9 @@ def buffer(tmp_path: Path):
 
 
 @pytest.fixture
-def sockets(buffer, context: zmq.Context):
-    generator = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_MS / 1000)
-    learner = client_socket(context, buffer.endpoint, REPLY_TIMEOUT_MS / 1000)
+def sockets(buffer, peers: Peers):
+    generator = peers.generator(buffer, REPLY_TIMEOUT_MS / 1000)
+    learner = peers.learner(buffer, REPLY_TIMEOUT_MS / 1000)
     return generator, learner
 
 
@@ -74,14 +73,14 @@ def test_a_batch_served_after_the_learner_gave_up_is_unfinished_in_the_checkpoin
     served = deliver_groups(generator, PROMPTS_PER_STEP)  # the buffer answers it now
     assert learner.poll(REPLY_TIMEOUT_MS), "the batch should have been sent"
 
-    learner.send_multipart(encode(SaveBufferState(step=7, abandoned_batch_request=True)))
+    learner.send_multipart(encode(SaveBufferState(step=1, abandoned_batch_request=True)))
     late, _ = decode(learner.recv_multipart())
     assert isinstance(late, Trajectories)
     assert sorted({meta.group_id for meta in late.samples}) == served
     ack, _ = decode(learner.recv_multipart())
     assert isinstance(ack, Ack)
 
-    assert saved_state(tmp_path, 7)["unfinished_groups"] == served
+    assert saved_state(tmp_path, 1)["unfinished_groups"] == served
     assert buffer.store.counters["returned_unconsumed"] == PROMPTS_PER_STEP * GROUP_SIZE
 
 
@@ -90,13 +89,13 @@ def test_a_batch_request_the_learner_gave_up_on_is_cancelled_before_it_is_answer
 ) -> None:
     generator, learner = sockets
     learner.send_multipart(encode(BatchRequest(policy_version=0)))  # nothing to serve yet
-    ack = exchange(learner, SaveBufferState(step=3, abandoned_batch_request=True))
+    ack = exchange(learner, SaveBufferState(step=1, abandoned_batch_request=True))
     assert isinstance(ack, Ack)
 
     ready = deliver_groups(generator, PROMPTS_PER_STEP)  # a whole batch is ready now
     assert not learner.poll(500), "a cancelled request must not be answered"
     assert buffer.store.counters["served"] == 0
-    assert saved_state(tmp_path, 3)["unfinished_groups"] == []  # nothing was handed out
+    assert saved_state(tmp_path, 1)["unfinished_groups"] == []  # nothing was handed out
     assert len(ready) == PROMPTS_PER_STEP
 
 

@@ -22,9 +22,9 @@ import zmq
 from running_buffer import RunningBuffer
 from zmq.auth.thread import AuthenticationThread
 
-from asyncrl.config import load_config
-from asyncrl.messages import WeightsRequest, WorkGrant, WorkRequest, decode, encode
-from asyncrl.security import CurveKeys, generate_keys, secure_client
+from asyncrl.config import ClusterConfig, load_config
+from asyncrl.messages import WeightsRequest, WireError, WorkGrant, WorkRequest, decode, encode
+from asyncrl.security import CurveKeys, client_context, generate_keys
 from asyncrl.transport import client_socket, free_port, tcp
 from asyncrl.weights import WeightClient, WeightPublisher
 
@@ -46,18 +46,6 @@ def stranger_keys(tmp_path, keys) -> CurveKeys:
     stranger = generate_keys(tmp_path / "stranger")
     shutil.copy(keys.directory / "server.key", stranger / "server.key")
     return CurveKeys(stranger)
-
-
-@pytest.fixture
-def contexts(keys, stranger_keys) -> Iterator[dict[str, zmq.Context]]:
-    made = {
-        "run": secure_client(zmq.Context(), keys),
-        "plain": zmq.Context(),
-        "stranger": secure_client(zmq.Context(), stranger_keys),
-    }
-    yield made
-    for context in made.values():
-        context.destroy(linger=0)
 
 
 def no_reply(context: zmq.Context, endpoint: str, body) -> bool:
@@ -82,10 +70,29 @@ def authenticators_alive() -> int:
     return sum(isinstance(thread, AuthenticationThread) for thread in threading.enumerate())
 
 
-def test_weights_reach_only_the_run_s_clients(contexts, keys, caplog):
+@pytest.fixture
+def curve_contexts(keys, stranger_keys) -> Iterator[dict[str, zmq.Context]]:
+    """Clients of the weights endpoint: the run's generator and learner, a plain ZeroMQ
+    peer, and a generator of another run that knows the server's public key."""
+    run = ClusterConfig(keys_dir=str(keys.directory), curve=True)
+    stranger = ClusterConfig(keys_dir=str(stranger_keys.directory), curve=True)
+    made = {
+        "generator": client_context(run, "generator"),
+        "learner": client_context(run, "learner"),
+        "plain": zmq.Context(),
+        "stranger": client_context(stranger, "generator"),
+    }
+    yield made
+    for context in made.values():
+        context.destroy(linger=0)
+
+
+def test_weights_reach_only_the_run_s_clients(curve_contexts, keys, caplog):
     caplog.set_level(logging.WARNING, logger="asyncrl.security")
-    publisher = WeightPublisher(tcp("127.0.0.1", free_port()), chunk_bytes=64, curve=keys)
-    client = WeightClient(contexts["run"], publisher.endpoint, timeout_s=10.0)
+    contexts = curve_contexts
+    cluster = ClusterConfig(keys_dir=str(keys.directory), curve=True)
+    publisher = WeightPublisher(tcp("127.0.0.1", free_port()), chunk_bytes=64, cluster=cluster)
+    client = WeightClient(contexts["generator"], publisher.endpoint, timeout_s=10.0)
     try:
         state = {"w": torch.arange(40, dtype=torch.float32)}
         publisher.publish(state, version=0)
@@ -97,6 +104,13 @@ def test_weights_reach_only_the_run_s_clients(contexts, keys, caplog):
         assert no_reply(contexts["stranger"], publisher.endpoint, WeightsRequest(-1))
         wait_for_refusal(caplog)
         assert publisher.served["manifests_sent"] == 1  # neither peer got as far as a request
+        assert publisher.stats()["weights_refused_auth_total"] >= 1
+        # the learner is the run's, but weights are for generators
+        learner = WeightClient(contexts["learner"], publisher.endpoint, timeout_s=10.0)
+        with pytest.raises(WireError, match="forbidden"):
+            learner.fetch_newer(-1)
+        learner.close()
+        assert publisher.served["manifests_sent"] == 1
 
         publisher.publish({"w": state["w"] * 2}, version=1)
         version, _, fetched = client.fetch_newer(0)
@@ -127,10 +141,11 @@ def running_buffer(keys: CurveKeys) -> Iterator[RunningBuffer]:
     assert running.error is None, running.error
 
 
-def test_the_buffer_answers_only_the_run_s_clients(contexts, keys, caplog):
+def test_the_buffer_answers_only_the_run_s_clients(curve_contexts, keys, caplog):
     caplog.set_level(logging.WARNING, logger="asyncrl.security")
+    contexts = curve_contexts
     with running_buffer(keys) as buffer:
-        generator = client_socket(contexts["run"], buffer.endpoint, timeout_s=10.0)
+        generator = client_socket(contexts["generator"], buffer.endpoint, timeout_s=10.0)
         try:
             generator.send_multipart(encode(WorkRequest("gen-0", max_samples=8)))
             grant, _ = decode(generator.recv_multipart())

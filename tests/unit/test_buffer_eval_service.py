@@ -82,12 +82,12 @@ def samples_of(item: WorkItem, generator_id: str, reward: float = 1.0, version: 
     """The whole group of ``item`` as a generator sends it (through the codec)."""
     n = item.num_samples
     metas = [
-        TrajectoryMeta(item.group_id, i, 2, 1, reward, "stop", generator_id, 0.0, "",
-                       item.eval_round)
+        TrajectoryMeta(item.group_id, i, len(item.prompt_ids), 1, reward, "stop", generator_id,
+                       0.0, "", item.eval_round)
         for i in range(n)
     ]  # fmt: skip
     arrays = {
-        "prompt_ids": np.ones(2 * n, np.int32),
+        "prompt_ids": np.tile(np.asarray(item.prompt_ids, np.int32), n),
         "response_ids": np.ones(n, np.int32),
         "logprobs": np.zeros(n, np.float32),
         "token_versions": np.full(n, version, np.int32),

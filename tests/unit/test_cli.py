@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from asyncrl.cli import main
@@ -39,3 +41,21 @@ def test_export_model_names_a_missing_gguf_file(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no GGUF file" in err and str(missing) in err
     assert not (tmp_path / "out").exists()
+
+
+def test_launch_refuses_to_run_model_code_without_its_sandbox(tmp_path, monkeypatch, capsys):
+    """A tool environment whose isolation cannot be built stops the launch before any
+    process or run directory exists, with one line that says how to install it."""
+    from asyncrl.envs import tools
+    from asyncrl.envs.sandbox import Sandbox
+
+    unbuildable = Sandbox(bwrap=str(tmp_path / "no-bwrap-here"))
+    monkeypatch.setattr(tools, "python_sandbox_for", lambda **_: unbuildable)
+    run_dir = tmp_path / "run"
+    config = Path(__file__).resolve().parents[2] / "configs" / "tool_calling.yaml"
+    assert main(["launch", str(config), "--run-dir", str(run_dir)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("asyncrl: ") and error.count("\n") == 1
+    assert "apt-get install bubblewrap" in error
+    assert "python_isolation: none" in error
+    assert not run_dir.exists()

@@ -90,6 +90,7 @@ def test_with_no_round_the_request_is_answered_at_once_saying_so(service):
 
 def test_a_request_is_held_until_the_running_round_completes(service):
     buffer = service(*EVAL)
+    buffer.store.set_policy_version(5)  # the learner's steps up to it (one at a time)
     buffer.handle(LEARNER, StartEval(round=5, policy_version=5))
     buffer.handle(LEARNER, EvalResultsRequest(wait_s=30.0))
     assert buffer.replies[LEARNER] == [Ack(accepted=1)]  # held: nothing to say yet
@@ -125,6 +126,7 @@ def test_results_no_batch_carried_are_handed_over_once(service):
 
 def test_a_held_request_is_answered_at_its_deadline_with_the_round_still_running(service):
     buffer = service(*EVAL)
+    buffer.store.set_policy_version(2)  # the learner's steps up to it (one at a time)
     buffer.handle(LEARNER, StartEval(round=2, policy_version=2))
     buffer.handle(LEARNER, EvalResultsRequest(wait_s=0.5))
     assert buffer.held_results is not None
@@ -135,6 +137,7 @@ def test_a_held_request_is_answered_at_its_deadline_with_the_round_still_running
 
 def test_a_newer_request_answers_the_held_one_first(service):
     buffer = service(*EVAL)
+    buffer.store.set_policy_version(2)  # the learner's steps up to it (one at a time)
     buffer.handle(LEARNER, StartEval(round=2, policy_version=2))
     buffer.handle(b"old", EvalResultsRequest(wait_s=30.0))
     buffer.handle(LEARNER, EvalResultsRequest(wait_s=30.0))

@@ -1,5 +1,6 @@
-"""Endpoint security settings: when CURVE is required, the `asyncrl keys` command, and
-launch refusing a reachable endpoint without keys before anything starts."""
+"""Endpoint security settings: when CURVE is required, the `asyncrl keys` command,
+launch refusing a reachable endpoint without keys before anything starts, and the
+per-run secret of a loopback run."""
 
 from __future__ import annotations
 
@@ -10,7 +11,19 @@ import pytest
 
 from asyncrl import cli
 from asyncrl.config import ConfigError, load_config
-from asyncrl.security import KEY_FILES, SecurityError, curve_keys, generate_keys, resolve_keys
+from asyncrl.security import (
+    KEY_FILES,
+    ROLES,
+    RUN_SECRET,
+    RunSecret,
+    SecurityError,
+    client_context,
+    curve_keys,
+    generate_keys,
+    provision_run_secret,
+    resolve_keys,
+    role_password,
+)
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 
@@ -96,7 +109,7 @@ def test_keys_command_writes_private_secrets_and_refuses_to_overwrite(tmp_path, 
     keys = run_dir / "keys"
     assert sorted(path.name for path in keys.iterdir()) == sorted(KEY_FILES)
     assert stat.S_IMODE(keys.stat().st_mode) == 0o700
-    for name in ("server.key_secret", "client.key_secret"):
+    for name in ("server.key_secret", "client.key_secret", "learner.key_secret"):
         assert stat.S_IMODE((keys / name).stat().st_mode) == 0o600
     first = {name: (keys / name).read_text() for name in KEY_FILES}
 
@@ -107,3 +120,56 @@ def test_keys_command_writes_private_secrets_and_refuses_to_overwrite(tmp_path, 
     assert cli.main(["keys", str(run_dir), "--force"]) == 0
     replaced = {name: (keys / name).read_text() for name in KEY_FILES}
     assert all(replaced[name] != first[name] for name in KEY_FILES)
+
+
+# ---------------------------------------------------------------- loopback runs
+
+
+def test_authentication_is_on_by_default_and_cannot_be_dropped_beyond_loopback():
+    assert cluster().auth
+    with pytest.raises(ConfigError, match=r"cluster\.auth=false with cluster\.bind=0\.0\.0\.0"):
+        cluster("cluster.bind=0.0.0.0", "cluster.auth=false")
+    with pytest.raises(ConfigError, match=r"cluster\.curve=true"):
+        cluster("cluster.curve=true", "cluster.auth=false")
+
+
+def test_a_loopback_run_gets_a_private_secret_that_survives_a_resume(tmp_path):
+    config = load_config(QUICKSTART)
+    resolved = provision_run_secret(config, tmp_path / "run")
+    keys = tmp_path / "run" / "keys"
+    assert resolved.cluster.keys_dir == str(keys)
+    secret = keys / RUN_SECRET
+    assert stat.S_IMODE(keys.stat().st_mode) == 0o700
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    first = RunSecret(secret).load()
+    assert len(first) == 64
+    provision_run_secret(resolved, tmp_path / "run")  # a resume: the same secret
+    assert RunSecret(secret).load() == first
+    provision_run_secret(config, tmp_path / "other")
+    assert RunSecret(tmp_path / "other" / "keys" / RUN_SECRET).load() != first
+
+
+def test_a_run_with_authentication_off_gets_no_secret(tmp_path, caplog):
+    config = load_config(QUICKSTART, ["cluster.auth=false"])
+    assert provision_run_secret(config, tmp_path / "run") is config
+    assert not (tmp_path / "run").exists()
+    assert "any process on this machine may speak" in caplog.text
+
+
+def test_each_role_has_its_own_password():
+    secret = b"0" * 64
+    passwords = {role: role_password(secret, role) for role in ROLES}
+    assert len(set(passwords.values())) == len(ROLES)
+    assert role_password(b"1" * 64, "learner") != passwords["learner"]
+    assert all(secret not in password for password in passwords.values())
+
+
+def test_a_role_without_the_run_secret_is_told_how_to_get_it(tmp_path):
+    config = load_config(QUICKSTART, [f"cluster.keys_dir={tmp_path}"])
+    with pytest.raises(SecurityError, match=r"run\.secret is missing: start the run with"):
+        client_context(config.cluster, "generator")
+    (tmp_path / RUN_SECRET).write_text("short\n")
+    with pytest.raises(SecurityError, match="holds no secret"):
+        client_context(config.cluster, "generator")
+    with pytest.raises(ValueError, match="unknown role 'admin'"):
+        client_context(config.cluster, "admin")

@@ -1,0 +1,201 @@
+"""`asyncrl launch` against someone who can write the run directory or reach this machine.
+
+- A restarted generator runs with the config the launcher validated and holds in
+  memory, never with ``RUN_DIR/config.yaml`` as it reads now: a
+  ``reward.function`` planted there is never imported (the local launcher, and
+  Ray, whose replacement actor gets the driver's config).
+- No process of a run listens on a TCP port beyond loopback, one learner rank
+  or two: no torch.distributed store, no gloo socket (``ss -ltnp`` while the
+  learner trains).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from run_processes import processes_of
+from test_ray import actor_process, assert_nothing_left, ray_temp_dir
+
+from asyncrl.status import read_metrics
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+COMMON = ("tracking.aim=false", "buffer.heartbeat_timeout_s=3")
+LOOPBACK = {"127.0.0.1", "::1"}
+
+
+class Launch:
+    """`asyncrl launch --quiet` on the quickstart in the background, its output in files."""
+
+    def __init__(self, tmp_path: Path, *overrides: str, env: dict[str, str] | None = None):
+        self.run_dir = tmp_path / "run"
+        self.out, self.err = tmp_path / "launch.out", tmp_path / "launch.err"
+        command = [
+            sys.executable, "-m", "asyncrl", "launch", "--quiet",
+            str(REPO / "configs/quickstart.yaml"), *COMMON, *overrides,
+            "--run-dir", str(self.run_dir),
+        ]  # fmt: skip
+        with self.out.open("w") as out, self.err.open("w") as err:
+            self.process = subprocess.Popen(
+                command,
+                stdout=out,
+                stderr=err,
+                cwd=REPO,
+                start_new_session=True,
+                env={**os.environ, **(env or {})},
+            )
+
+    def steps(self) -> int:
+        return len(read_metrics(self.run_dir))
+
+    def wait_until(self, done, what: str, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            assert self.process.poll() is None, self.stderr()
+            assert time.monotonic() < deadline, f"no {what} within {timeout_s}s"
+            time.sleep(0.1)
+
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+    def tree(self) -> list[psutil.Process]:
+        """The launcher and every process under it."""
+        launcher = psutil.Process(self.process.pid)
+        return [launcher, *launcher.children(recursive=True)]
+
+    def stop(self) -> None:
+        """Whatever is left, after a failed assertion: SIGTERM to the launcher, then kill."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                for process in self.tree():
+                    process.kill()
+                self.process.wait()
+
+
+def generators(run_dir: Path) -> list[psutil.Process]:
+    return [p for p in processes_of(run_dir) if p.cmdline()[3:4] == ["generator"]]
+
+
+# ------------------------------------------------------------------ the config
+
+
+EVIL = """
+from pathlib import Path
+
+Path({marker!r}).write_text("imported")
+
+
+def reward(data_source, solution_str, ground_truth, extra_info=None):
+    Path({marker!r}).write_text("called")
+    return 1.0
+"""
+
+
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_a_restarted_generator_runs_the_launch_config_not_config_yaml(tmp_path, backend):
+    marker, evil = tmp_path / "marker", tmp_path / "evil.py"
+    evil.write_text(EVIL.format(marker=str(marker)))
+    with contextlib.ExitStack() as stack:
+        overrides = ["run.total_steps=20", "generators.replicas=1"]
+        env = None
+        if backend == "ray":
+            ray_dir = stack.enter_context(ray_temp_dir())
+            overrides.append("cluster.backend=ray")
+            env = {"RAY_TMPDIR": str(ray_dir)}
+        # One replica: the steps after the kill can only come from its restarted process.
+        run = Launch(tmp_path, *overrides, env=env)
+        try:
+            run.wait_until(lambda: run.steps() >= 3, "step 3")
+            config_file = run.run_dir / "config.yaml"
+            launched = yaml.safe_load(config_file.read_text())
+            planted = yaml.safe_load(config_file.read_text())
+            planted["reward"]["function"] = f"{evil}:reward"  # a valid config: nothing refuses it
+            config_file.write_text(yaml.safe_dump(planted, sort_keys=False))
+            if backend == "local":
+                [victim] = generators(run.run_dir)
+            else:
+                victim = actor_process(run.run_dir / "logs" / "generator-0.log", ray_dir)
+            victim.kill()
+            run.wait_until(lambda: "started again (restart 1)" in run.stderr(), "restart")
+            handed = None
+            if backend == "local":  # what the launcher handed the new process, as it started
+                [restarted] = [p for p in generators(run.run_dir) if p.pid != victim.pid]
+                handed = restarted.environ().get("ASYNCRL_CONFIG")
+            assert run.process.wait(timeout=180) == 0, run.stderr()
+        finally:
+            run.stop()
+        if backend == "ray":
+            assert_nothing_left(ray_dir, run.run_dir)
+
+    assert "generator-0 started again (restart 1)" in run.stderr()
+    assert not marker.exists(), f"the planted reward function ran: {marker.read_text()}"
+    if backend == "local":
+        assert handed is not None and json.loads(handed) == launched
+    records = read_metrics(run.run_dir)
+    assert [r["version"] for r in records] == list(range(1, 21))
+    assert records[-1]["generators_restarts_total"] == 1  # the restarted process did the work
+    assert processes_of(run.run_dir) == []
+
+
+# ------------------------------------------------------------------ the sockets
+
+
+def listeners() -> list[tuple[str, str, int]]:
+    """``(address, port, pid)`` of every listening TCP socket, from ``ss -ltnpH``."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        fields = line.split()
+        address, port = fields[3].rsplit(":", 1)
+        address = address.strip("[]").split("%")[0]  # [::1], 127.0.0.1%lo
+        for pid in re.findall(r"pid=(\d+)", line):
+            found.append((address, port, int(pid)))
+    return found
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-rank", "two-ranks"])
+def test_no_process_of_a_run_listens_beyond_loopback(tmp_path, ranks):
+    run = Launch(tmp_path, "run.total_steps=8", f"learner.world_size={ranks}")
+    seen: dict[tuple[str, str], str] = {}  # (address:port, pid) -> the process's command
+    learner_pids: set[int] = set()
+    try:
+        while run.steps() < 6:  # sampled from the start up to a few trained steps
+            assert run.process.poll() is None, run.stderr()
+            commands = {}
+            for process in run.tree():
+                try:
+                    commands[process.pid] = " ".join(process.cmdline())
+                except psutil.Error:
+                    continue
+            learner_pids |= {pid for pid, cmd in commands.items() if "roles learner" in cmd}
+            for address, port, pid in listeners():
+                if pid in commands:
+                    seen[(f"{address}:{port}", str(pid))] = commands[pid]
+            time.sleep(0.2)
+        assert run.process.wait(timeout=180) == 0, run.stderr()
+    finally:
+        run.stop()
+
+    beyond = {
+        where: cmd for where, cmd in seen.items() if where[0].rsplit(":", 1)[0] not in LOOPBACK
+    }
+    assert beyond == {}, f"listening beyond loopback: {beyond}"
+    # the sampling saw the learner: each rank listens on loopback (gloo; rank 0 publishes)
+    assert len(learner_pids) == ranks, learner_pids
+    assert learner_pids <= {int(pid) for _, pid in seen}, (learner_pids, seen)
+    assert processes_of(run.run_dir) == []

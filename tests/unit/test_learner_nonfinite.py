@@ -1,0 +1,159 @@
+"""One bad batch does not poison the run: a non-finite update is skipped, and a learner
+whose weights or optimizer state are not finite writes no complete checkpoint.
+
+A real single-rank learner (FSDP2 over a process group of one, in this process)
+trains the tiny model on small synthetic batches through ``Learner.train_step``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from asyncrl.config import load_config
+from asyncrl.learner import checkpoint, distributed, trainer
+from asyncrl.learner.batch import TrainBatch
+from asyncrl.learner.distributed import Ranks
+from asyncrl.learner.trainer import Learner
+from asyncrl.paths import COMPLETE, checkpoint_dir, latest_checkpoint
+from asyncrl.tasks import build_tokenizer
+
+GROUP = 4
+GROUP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+SOCKET_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[Ranks]:
+    """A process group of one in this process; the environment goes back afterwards."""
+    saved = dict(os.environ)
+    for name in (*GROUP_ENV, *SOCKET_ENV):
+        os.environ.pop(name, None)
+    try:
+        ranks = distributed.init("cpu")
+        yield ranks
+    finally:
+        distributed.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture
+def learner(ranks: Ranks) -> Learner:
+    config = load_config(
+        None,
+        [
+            "model.tiny.num_layers=2",
+            "model.tiny.hidden_size=32",
+            "model.tiny.intermediate_size=64",
+            "algorithm.group_size=4",
+            "algorithm.prompts_per_step=4",
+            "learner.lr=0.01",
+            "run.total_steps=10",
+        ],
+    )
+    torch.manual_seed(config.run.seed)
+    return Learner(config, ranks)
+
+
+def synthetic_batch(step: int, size: int = 16, width: int = 12) -> TrainBatch:
+    """Ragged sequences with a prompt of 3 tokens, random rewards, groups of four."""
+    vocab = len(build_tokenizer())
+    generator = torch.Generator().manual_seed(1000 + step)
+    lengths = torch.randint(5, width + 1, (size,), generator=generator)
+    input_ids = torch.randint(3, vocab, (size, width), generator=generator)
+    attention_mask = (torch.arange(width)[None] < lengths[:, None]).long()
+    loss_mask = torch.zeros(size, width - 1)
+    for row, length in enumerate(lengths.tolist()):
+        loss_mask[row, 2 : length - 1] = 1
+    return TrainBatch(
+        input_ids=input_ids * attention_mask,
+        attention_mask=attention_mask,
+        behavior_logprobs=-torch.rand(size, width - 1, generator=generator) * 3,
+        loss_mask=loss_mask,
+        token_versions=torch.where(loss_mask.bool(), step, -1),
+        rewards=torch.rand(size, generator=generator),
+        group_ids=torch.arange(size) // GROUP,
+        versions=torch.full((size,), step),
+        response_lengths=lengths - 3,
+    )
+
+
+def weights(learner: Learner) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in learner.full_tensors()}
+
+
+def all_finite(state: dict[str, torch.Tensor]) -> bool:
+    return all(torch.isfinite(tensor).all() for tensor in state.values())
+
+
+@pytest.mark.parametrize("bad_reward", [math.nan, math.inf], ids=["nan", "inf"])
+def test_a_batch_with_a_non_finite_reward_changes_no_weight_and_is_counted(
+    learner: Learner, bad_reward: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="asyncrl.learner")
+    learner.train_step(synthetic_batch(0))  # the optimizer has state to poison
+    before = weights(learner)
+    batch = synthetic_batch(1)
+    batch.rewards[5] = bad_reward  # one forged sample: its group's advantages are not finite
+
+    metrics = learner.train_step(batch)
+
+    after = weights(learner)
+    assert all(torch.equal(after[name], before[name]) for name in before), "weights moved"
+    assert metrics["learner_skipped_nonfinite_total"] == 1
+    assert all(p.grad is None for p in learner.model.parameters()), "gradients were kept"
+    assert checkpoint.nonfinite_state(learner.model, learner.optimizer) == ([], 0)
+    assert learner.version == 2  # the batch was consumed: the version moves on as usual
+    (warning,) = [r.getMessage() for r in caplog.records if "not finite" in r.getMessage()]
+    assert warning.startswith("step 1 (mini-batch 1 of 1): ")
+    assert "update skipped" in warning
+
+    metrics = learner.train_step(synthetic_batch(2))  # the next good batch trains as usual
+    assert metrics["learner_skipped_nonfinite_total"] == 1
+    trained = weights(learner)
+    assert all_finite(trained)
+    assert any(not torch.equal(trained[name], before[name]) for name in before)
+
+
+def poison(learner: Learner, where: str) -> None:
+    """A NaN in the first local shard of a parameter, or of its Adam moment."""
+    parameter = next(learner.model.parameters())
+    tensor = parameter if where == "parameter" else learner.optimizer.state[parameter]["exp_avg"]
+    with torch.no_grad():
+        tensor.to_local().view(-1)[0] = math.nan
+
+
+@pytest.mark.parametrize("where", ["parameter", "optimizer state"])
+def test_a_checkpoint_of_a_non_finite_learner_is_never_marked_complete(
+    tmp_path, learner: Learner, where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="asyncrl.learner")
+    learner.train_step(synthetic_batch(0))
+    buffer_saves: list[int] = []
+    main = SimpleNamespace(
+        buffer=SimpleNamespace(save_state=lambda step, timeout_s=None: buffer_saves.append(step))
+    )
+    trainer.save_checkpoint(learner, main, tmp_path)  # a good one first: step 1
+    assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 1)
+
+    learner.train_step(synthetic_batch(1))
+    poison(learner, where)
+    trainer.save_checkpoint(learner, main, tmp_path)
+
+    refused = checkpoint_dir(tmp_path, 2)
+    assert not (refused / COMPLETE).exists()
+    assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 1)
+    assert buffer_saves == [1]  # the buffer was not asked for its part of step 2
+    assert learner.checkpoints_refused == 1
+    assert "checkpoint step-000002 refused" in caplog.text
+    with pytest.raises(RuntimeError, match="not marking it complete"):
+        checkpoint.mark_complete(refused)
+    metrics = learner.train_step(synthetic_batch(2))
+    assert metrics["learner_checkpoints_refused_total"] == 1
