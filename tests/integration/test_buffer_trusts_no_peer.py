@@ -485,19 +485,16 @@ def test_a_peer_that_never_reads_its_replies_cannot_stall_the_buffer(buffer, pee
     generator = peers.generator(buffer, REPLY_TIMEOUT_S)
     request = encode(StatusRequest())
     deadline = time.monotonic() + 60
-    rounds_dropping = 0
-    while rounds_dropping < 3:  # on, well after its queue filled up
-        assert time.monotonic() < deadline, "the buffer never dropped a reply"
+    while buffer.service.rejected["unroutable_reply"] <= 100:  # well after its queue filled
+        assert time.monotonic() < deadline, "the buffer did not drop the replies it cannot send"
         for _ in range(500):
             greedy.send_multipart(request)
         assert isinstance(exchange(generator, StatusRequest()), Status)  # served meanwhile
-        rounds_dropping += buffer.service.rejected["unroutable_reply"] > 0
     items = take_work(generator)
     deliver(generator, items)
     assert buffer.store.counters["accepted"] == BATCH
     greedy.close(linger=0)
     dropped = [r for r in caplog.records if "could not reply" in r.getMessage()]
-    assert buffer.service.rejected["unroutable_reply"] > 100
     assert 1 <= len(dropped) <= 3  # one line per REJECTION_LOG_EVERY_S, not one per reply
 
 
