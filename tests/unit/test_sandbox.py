@@ -27,18 +27,12 @@ from asyncrl.envs.tools import format_sandbox_output
 FAST = {"timeout_s": 1.5, "memory_mb": 256}
 BUBBLEWRAP_LAYERS = {"bubblewrap", "user", "pid", "net", "mount", "seccomp", "rlimits"}
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="the sandbox needs Linux namespaces"
-)
-
-
-@pytest.fixture(autouse=True)
-def _bubblewrap_is_installed():
-    if shutil.which("bwrap") is None:
-        pytest.fail(
-            "bubblewrap (bwrap) is not installed, so the sandbox cannot run: "
-            "apt-get install bubblewrap (or bash scripts/setup.sh as root)"
-        )
+pytestmark = [
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux"), reason="the sandbox needs Linux namespaces"
+    ),
+    pytest.mark.usefixtures("bubblewrap"),
+]
 
 
 def test_normal_code_returns_its_output():

@@ -32,21 +32,15 @@ import pytest
 
 from asyncrl.envs.sandbox import Sandbox
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="the sandbox needs Linux namespaces"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux"), reason="the sandbox needs Linux namespaces"
+    ),
+    pytest.mark.usefixtures("bubblewrap"),
+]
 
 LIMITS = {"timeout_s": 10, "memory_mb": 256}
 """Only arguments the pre-bubblewrap Sandbox took as well."""
-
-
-@pytest.fixture(autouse=True)
-def _bubblewrap_is_installed():
-    if shutil.which("bwrap") is None:
-        pytest.fail(
-            "bubblewrap (bwrap) is not installed, so the sandbox cannot run: "
-            "apt-get install bubblewrap (or bash scripts/setup.sh as root)"
-        )
 
 
 def run(code: str, **limits) -> object:
