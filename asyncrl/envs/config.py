@@ -7,29 +7,43 @@ episode driven by the generator (:mod:`asyncrl.generators.episodes`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator
 
 from asyncrl.envs.base import Environment
 from asyncrl.envs.sandbox import ISOLATIONS, Sandbox
 
+DAY_S = 24 * 3600.0
+"""Upper bound of timeouts: a longer one is a mistake, and huge ones overflow rlimits and timers."""
+
+
+def _not_a_bool(value: Any) -> Any:
+    """YAML's `true` would pass as 1.0: a float setting wants a number."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {value!r}")
+    return value
+
+
+Float = Annotated[float, BeforeValidator(_not_a_bool)]
+"""A float setting: ints and numeric strings (YAML reads `1e-3` as one) pass, booleans do not."""
+
 
 class EnvironmentConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     name: str
     """`tools` for the built-in tool-calling environment, or `module:Class` /
     `path/to/file.py:Class` for your own."""
     tools: list[str] = ["calculator", "python"]
     """Tools for `name: tools`: built-in names or `module:attr` naming a Tool."""
-    max_turns: int = Field(4, ge=1)
+    max_turns: StrictInt = Field(4, ge=1, le=1000)
     """Model turns per episode."""
-    max_total_tokens: int = Field(2048, ge=1)
+    max_total_tokens: StrictInt = Field(2048, ge=1, le=1 << 20)
     """Tokens per episode, prompt, model turns and tool output together."""
-    python_timeout_s: float = Field(5, gt=0)
+    python_timeout_s: Float = Field(5, gt=0, le=DAY_S)
     """Wall-clock limit of one `python` tool call."""
-    python_memory_mb: int = Field(512, ge=16)
+    python_memory_mb: StrictInt = Field(512, ge=16, le=1_048_576)
     """Address-space limit of one `python` tool call."""
     python_isolation: Literal["bubblewrap", "none"] = "bubblewrap"
     """How the `python` tool isolates model-written code: `bubblewrap` (namespaces,
@@ -42,9 +56,9 @@ class EnvironmentConfig(BaseModel):
     written out, `<|im_start|>role ... <|im_end|>`), `plain` (`role: text` lines, for the
     tiny built-in tokenizer), or `auto` (`template` when the tokenizer has a chat
     template, else `chatml`)."""
-    workers: int = Field(4, ge=1)
+    workers: StrictInt = Field(4, ge=1, le=1024)
     """Threads per generator that step environments (run tools), off the generation loop."""
-    step_timeout_s: float = Field(60, gt=0)
+    step_timeout_s: Float = Field(60, gt=0, le=DAY_S)
     """Wall-clock limit of one `reset` or `step` call (tools included): past it the
     episode ends with reward 0, tagged `error:environment_timeout`, and its thread
     is abandoned (a new one takes its place)."""

@@ -124,7 +124,9 @@ def test_a_role_runs_the_launcher_s_config_and_reads_the_file_only_by_hand(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     launched = quickstart("cluster.buffer_port=5555")
-    planted = quickstart("cluster.buffer_port=5555", "reward.function=/tmp/evil.py:f")
+    evil = tmp_path / "evil.py"
+    evil.write_text("def f(*args, **kwargs):\n    return 1.0\n")
+    planted = quickstart("cluster.buffer_port=5555", f"reward.function={evil}:f")
     save_config(planted, tmp_path / "config.yaml")  # someone rewrote the run's file
 
     supervisor = Supervisor(launched, tmp_path)

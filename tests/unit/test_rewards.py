@@ -216,7 +216,9 @@ def test_unknown_data_sources_fail_before_any_sample_is_scored(user_file):
         check_reward_sources(f"{user_file}:nope", ["my/dataset"])
 
 
-def test_reward_config_keys():
+def test_reward_config_keys(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my.py").write_text("def score(*args, **kwargs):\n    return 1.0\n")
     config = load_config(
         None, ["model.tiny={}", "reward.function=my.py:score", "reward.timeout_s=2.5"]
     )
