@@ -38,9 +38,17 @@ def _parser() -> argparse.ArgumentParser:
         help="one plain line per step instead of the live panel (also when output is not a TTY)",
     )
 
-    validate = commands.add_parser("validate", help="check a config and print it resolved")
+    validate = commands.add_parser(
+        "validate",
+        help="check a config, its data, reward function and environment; print it resolved",
+    )
     validate.add_argument("config", type=Path)
     validate.add_argument("overrides", nargs="*")
+    validate.add_argument(
+        "--no-data",
+        action="store_true",
+        help="do not read the prompt files nor load the tokenizer (e.g. for another machine)",
+    )
 
     generator = commands.add_parser(
         "generator", help="start a generator replica that joins a live run"
@@ -102,6 +110,25 @@ def _keys(directory: Path, force: bool) -> int:
     return 0
 
 
+def _problems(title: str, problems: list[str]) -> int:
+    """Print ``problems`` under ``title``, one line each, as every refusal does; 2."""
+    print(f"asyncrl: {title} ({len(problems)} problem(s)):", file=sys.stderr)
+    for problem in problems:
+        print(f"  {problem}", file=sys.stderr)
+    return 2
+
+
+def _preflight(config, *, data: bool = True, machine: bool = True) -> int:
+    """0 when :func:`asyncrl.preflight.preflight` finds nothing; else its problems, 2."""
+    from asyncrl.preflight import PreflightError, preflight
+
+    try:
+        preflight(config, data=data, machine=machine)
+    except PreflightError as error:
+        return _problems("the run cannot start", error.problems)
+    return 0
+
+
 def _generator(config, buffer: str, pool: str, work_dir: Path) -> int:
     import logging
 
@@ -122,6 +149,9 @@ def _generator(config, buffer: str, pool: str, work_dir: Path) -> int:
         except SandboxUnavailable as error:
             print(f"asyncrl: {error}", file=sys.stderr)
             return 2
+    # its reward function and environment: joining would fail at start-up, and restart
+    if status := _preflight(config, data=False, machine=False):
+        return status
     join(config, buffer, pool, work_dir)
     return 0
 
@@ -157,25 +187,31 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as error:
-        print(f"asyncrl: invalid config ({len(error.problems)} problem(s)):", file=sys.stderr)
-        for problem in error.problems:
-            print(f"  {problem}", file=sys.stderr)
-        return 2
+        return _problems("invalid config", error.problems)
     for warning in config_warnings(config):
         print(f"asyncrl: warning: {warning}", file=sys.stderr)
-    if args.command == "validate":
+    if args.command == "validate":  # what this machine lacks: a warning, not a refusal
+        if status := _preflight(config, data=not args.no_data, machine=False):
+            return status
+        from asyncrl.preflight import machine_checks
+
+        for problem in machine_checks(config):
+            print(f"asyncrl: warning: on this machine: {problem}", file=sys.stderr)
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
         return 0
     if args.command == "generator":
         return _generator(config, args.buffer, args.pool, args.work_dir)
     from asyncrl.envs.sandbox import SandboxUnavailable
     from asyncrl.launch import launch
+    from asyncrl.preflight import PreflightError
     from asyncrl.security import SecurityError
 
     try:
         if resume is not None:
             return launch(config, resume, resume=True, quiet=args.quiet)
         return launch(config, args.run_dir, quiet=args.quiet)
+    except PreflightError as error:  # launch() checks data, rewards, environment first
+        return _problems("the run cannot start", error.problems)
     except (SecurityError, SandboxUnavailable) as error:
         print(f"asyncrl: {error}", file=sys.stderr)
         return 2

@@ -18,12 +18,17 @@ Two views with one interface (``update``, ``note``, ``close``), chosen by
   policy's round) get no line; the launcher's closing message reports it.
 
 Events (a generator restarted, the run stopping) go through ``note`` in both.
+
+Any figure of a record may be missing, null (a NaN the learner logged as null),
+not finite, or not a number at all: it shows as ``—`` (or ``nan``/``inf``) and
+never raises, since a raise here would end the launcher's supervision.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,6 +49,29 @@ from rich.table import Table
 from rich.text import Text
 
 from asyncrl.config import Config
+
+MISSING = "—"
+"""How a figure that is missing, null or not a number is shown."""
+
+
+def finite(value: object) -> bool:
+    """Whether ``value`` is a finite number (None, strings and bools are not)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def number(value: object, spec: str = "", add: float = 0, scale: float = 1) -> str:
+    """``value * scale + add`` formatted with ``spec``; ``nan``/``inf``/``-inf`` when it
+    is not finite, :data:`MISSING` when it is no number (None, a string): never raises."""
+    if finite(value):
+        return format(value * scale + add, spec)
+    if isinstance(value, float):
+        return str(value)
+    return MISSING
+
+
+def figure(record: dict, key: str, spec: str = "", add: float = 0, scale: float = 1) -> str:
+    """``record[key]`` as :func:`number` shows it (a missing key shows as missing)."""
+    return number(record.get(key), spec, add, scale)
 
 
 @dataclass(frozen=True)
@@ -72,12 +100,14 @@ class MetricsFollower:
         if not self.path.exists():
             return []
         records = []
-        with self.path.open() as file:
+        with self.path.open(errors="replace") as file:  # a bad byte: one bad line
             file.seek(self.offset)
             while (line := file.readline()).endswith("\n"):
                 self.offset = file.tell()
-                with contextlib.suppress(json.JSONDecodeError):  # a line cut by a crash
-                    records.append(json.loads(line))
+                with contextlib.suppress(ValueError):  # a line cut by a crash, or not UTF-8
+                    record = json.loads(line)
+                    if isinstance(record, dict):
+                        records.append(record)
         return records
 
 
@@ -86,10 +116,11 @@ def step_line(record: dict, total_steps: int, latest_eval: dict | None = None) -
     the eval part is only ever appended)."""
     m = record
     line = (
-        f"step {m['step'] + 1:>4}/{total_steps}  v{m['version']:<4}  "
-        f"reward {m['reward_mean']:.3f}  "
-        f"staleness {m['staleness_mean']:.2f}/{m['staleness_max']:.0f}  "
-        f"samples/s {m['samples_per_s']:.1f}  wait {m['learner_wait_frac']:.0%}"
+        f"step {figure(m, 'step', add=1):>4}/{total_steps}  v{figure(m, 'version'):<4}  "
+        f"reward {figure(m, 'reward_mean', '.3f')}  "
+        f"staleness {figure(m, 'staleness_mean', '.2f')}/{figure(m, 'staleness_max', '.0f')}  "
+        f"samples/s {figure(m, 'samples_per_s', '.1f')}  "
+        f"wait {figure(m, 'learner_wait_frac', '.0%')}"
     )
     if latest_eval is not None:
         line += f"  eval {eval_text(latest_eval)}"
@@ -98,7 +129,8 @@ def step_line(record: dict, total_steps: int, latest_eval: dict | None = None) -
 
 def eval_text(record: dict) -> str:
     """``0.412 @v10``: a round's held-out reward and the version it evaluated."""
-    return f"{record['eval_reward_mean']:.3f} @v{record['eval_policy_version']:.0f}"
+    version = figure(record, "eval_policy_version", ".0f")
+    return f"{figure(record, 'eval_reward_mean', '.3f')} @v{version}"
 
 
 def has_eval(record: dict) -> bool:
@@ -176,8 +208,10 @@ class LiveConsole:
         records = self.follower.poll()
         steps = [record for record in records if not record.get("eval_only")]
         if steps:
-            self.progress.update(self.task, completed=steps[-1]["step"] + 1)
             self.last = steps[-1]
+            step = self.last.get("step")
+            if finite(step):
+                self.progress.update(self.task, completed=step + 1)
         for record in records:
             if has_eval(record):
                 self.latest_eval = record
@@ -200,18 +234,23 @@ class LiveConsole:
             table.add_row(Text("waiting for the first learner step…", style="dim"))
             return table
         held = m.get("buffer_held", 0.0)
+        fill = held / self.held_limit if finite(held) else held
         for _ in range(3):
             table.add_column(style="dim")
             table.add_column(style="bold", min_width=12)
+        staleness = (
+            f"{figure(m, 'staleness_mean', '.2f')} mean, {figure(m, 'staleness_max', '.0f')} max"
+        )
+        buffer = f"{number(held, '.0f')}/{self.held_limit} samples ({number(fill, '.0%')})"
         table.add_row(
-            "version", str(m["version"]),
-            "reward", f"{m['reward_mean']:.3f}",
-            "staleness", f"{m['staleness_mean']:.2f} mean, {m['staleness_max']:.0f} max",
+            "version", figure(m, "version"),
+            "reward", figure(m, "reward_mean", ".3f"),
+            "staleness", staleness,
         )  # fmt: skip
         table.add_row(
-            "samples/s", f"{m['samples_per_s']:.1f}",
-            "learner wait", f"{m['learner_wait_frac']:.0%}",
-            "buffer", f"{held:.0f}/{self.held_limit} samples ({held / self.held_limit:.0%})",
+            "samples/s", figure(m, "samples_per_s", ".1f"),
+            "learner wait", figure(m, "learner_wait_frac", ".0%"),
+            "buffer", buffer,
         )  # fmt: skip
         if self.latest_eval is not None:
             table.add_row("eval reward", eval_text(self.latest_eval))

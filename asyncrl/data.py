@@ -14,6 +14,12 @@ and counted (``filtered_too_long``). ``dataset[i]`` is a pure function of
 ``i // n``, whose order is a permutation seeded by ``(seed, epoch)`` (or the
 file order, without ``shuffle``). So the buffer's cursor, an int, is all the
 state a resumed run needs.
+
+Every problem with a file is a :class:`DataError` of one line naming the file
+and, for a row, its number (JSONL: the line; parquet: the row, both from 1):
+not UTF-8, not JSON, a line over :data:`MAX_LINE_BYTES`, a missing field, a
+chat template that refuses the row. :func:`scan_rows` reports a file's row
+problems one by one, for :mod:`asyncrl.preflight` to list them all.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +35,10 @@ from typing import Any
 import numpy as np
 
 log = logging.getLogger("asyncrl.data")
+
+MAX_LINE_BYTES = 1 << 20
+"""The longest JSONL line (1 MiB) read: a longer one is an error naming its row,
+so a file without newlines is not read into memory whole."""
 
 
 class DataError(ValueError):
@@ -52,7 +62,9 @@ class PromptRow:
 
 
 @dataclass(frozen=True)
-class _Row:
+class Row:
+    """One row of a prompt file, checked against the layout, not yet rendered."""
+
     messages: list[dict[str, str]]
     data_source: str
     ground_truth: str
@@ -80,21 +92,16 @@ class PromptDataset:
             files = [files]
         if not files:
             raise DataError("no data files given")
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise DataError(
-                "the tokenizer has no chat template, so chat-message prompts cannot be rendered; "
-                "use a model whose tokenizer has one, or set tokenizer.chat_template"
-            )
+        require_chat_template(tokenizer)
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.shuffle = shuffle
         self.seed = seed
         self.filtered_too_long = 0
-        self.rows: list[_Row] = []
+        self.rows: list[Row] = []
         for path in map(Path, files):
-            for number, raw in enumerate(_read_rows(path), start=1):
-                row = _parse_row(raw, f"{path}:{number}")
-                if len(self.render(row.messages)) > max_prompt_tokens:
+            for row in read_rows(path):
+                if len(self.render(row.messages, row.source)) > max_prompt_tokens:
                     self.filtered_too_long += 1
                 else:
                     self.rows.append(row)
@@ -118,14 +125,9 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def render(self, messages: list[dict[str, str]]) -> list[int]:
+    def render(self, messages: list[dict[str, str]], where: str = "prompt") -> list[int]:
         """Token ids of ``messages`` in the chat template, ending with the assistant's turn."""
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(token) for token in ids]
+        return render_prompt(self.tokenizer, messages, where)
 
     def row_index(self, index: int) -> int:
         """Which kept row dataset index ``index`` is (its epoch's permutation applied)."""
@@ -146,7 +148,7 @@ class PromptDataset:
         row = self.rows[self.row_index(index)]
         return PromptRow(
             index,
-            self.render(row.messages),
+            self.render(row.messages, row.source),
             row.data_source,
             row.ground_truth,
             row.extra_info,
@@ -155,36 +157,138 @@ class PromptDataset:
         )
 
 
-def _read_rows(path: Path):
+def require_chat_template(tokenizer) -> None:
+    """Chat-message prompts need the tokenizer's chat template: say so before any row."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError(
+            "the tokenizer has no chat template, so chat-message prompts cannot be rendered; "
+            "use a model whose tokenizer has one, or set tokenizer.chat_template"
+        )
+
+
+def render_prompt(tokenizer, messages: list[dict[str, str]], where: str) -> list[int]:
+    """Token ids of ``messages`` in ``tokenizer``'s chat template, with the generation
+    prompt. A template that fails (its own ``raise_exception``, say, for roles out of
+    order) is a :class:`DataError` naming ``where`` (``file:row``) and its message."""
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    except Exception as error:
+        raise DataError(
+            f"{where}: the chat template cannot render this prompt: {one_line(error)}"
+        ) from None
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(token) for token in ids]
+
+
+def one_line(error: BaseException, limit: int = 300, typed: bool = True) -> str:
+    """``Type: message`` (``typed``) or the message, on one line, cut at ``limit``
+    characters: a multi-line message from a template or a library stays one line."""
+    text = f"{type(error).__name__}: {error}" if typed else str(error)
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def read_rows(path: str | Path) -> Iterator[Row]:
+    """The rows of one file, checked; the first problem raises :class:`DataError`."""
+    for row in scan_rows(path):
+        if isinstance(row, DataError):
+            raise row
+        yield row
+
+
+def scan_rows(path: str | Path) -> Iterator[Row | DataError]:
+    """The rows of one file, each checked: a bad row comes as its :class:`DataError`
+    and the scan goes on; a file that cannot be read at all (missing, unknown type,
+    unreadable parquet, no rows) raises one."""
+    path = Path(path)
+    empty = True
+    for number, raw in _raw_rows(path):
+        empty = False
+        where = f"{path}:{number}"
+        if isinstance(raw, DataError):
+            yield raw
+            continue
+        try:
+            yield _parse_row(raw, where)
+        except DataError as error:
+            yield error
+    if empty:
+        raise DataError(f"{path}: no rows (the file is empty or blank)")
+
+
+def _raw_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(row number, the row's object or a DataError)`` for each row of ``path``."""
     if not path.is_file():
         raise DataError(f"{path}: no such data file")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        with path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise DataError(f"{path}:{number}: not valid JSON: {error}") from None
+        yield from _jsonl_rows(path)
     elif suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:  # pragma: no cover - pyarrow is a dependency
-            raise DataError(
-                f"{path}: reading parquet needs pyarrow (pip install pyarrow)"
-            ) from None
-        try:
-            table = pq.read_table(path)
-        except Exception as error:
-            raise DataError(f"{path}: cannot read parquet: {error}") from None
-        yield from table.to_pylist()
+        yield from enumerate(_parquet_rows(path), start=1)
     else:
         raise DataError(f"{path}: unknown data file type '{suffix}'; use .parquet or .jsonl")
 
 
-def _parse_row(raw: Any, where: str) -> _Row:
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """Line numbers with their JSON values (blank lines skipped, still counted)."""
+    try:
+        file = path.open("rb")
+    except OSError as error:
+        raise DataError(f"{path}: cannot read: {error.strerror}") from None
+    with file:
+        number = 0
+        while line := file.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                _skip_line(file)
+                limit = f"{MAX_LINE_BYTES / 2**20:g} MiB"
+                problem = f"line longer than {limit}; a prompt row is far shorter (is it JSONL?)"
+                yield number, DataError(f"{path}:{number}: {problem}")
+                continue
+            if number == 1:
+                line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark
+            if line.strip():
+                yield number, _json_value(line, f"{path}:{number}")
+
+
+def _skip_line(file) -> None:
+    """Read past the rest of an over-long line, a bounded chunk at a time."""
+    while (chunk := file.readline(MAX_LINE_BYTES)) and not chunk.endswith(b"\n"):
+        pass
+
+
+def _json_value(line: bytes, where: str) -> Any:
+    """One JSONL line's value, or a DataError naming ``where`` and the column."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return DataError(
+            f"{where}: not UTF-8 text (byte 0x{line[error.start]:02x} at byte "
+            f"{error.start + 1} of the line); save the file as UTF-8"
+        )
+    try:
+        return json.loads(text.rstrip("\r\n"))
+    except json.JSONDecodeError as error:
+        return DataError(f"{where}: not valid JSON at column {error.colno}: {error.msg}")
+    except RecursionError:
+        return DataError(f"{where}: not valid JSON: nested too deeply")
+
+
+def _parquet_rows(path: Path) -> list[Any]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:  # pragma: no cover - pyarrow is a dependency
+        raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as error:
+        raise DataError(f"{path}: cannot read parquet: {one_line(error)}") from None
+
+
+def _parse_row(raw: Any, where: str) -> Row:
     """Check one row against the layout; errors name ``file:row`` and the field."""
     if not isinstance(raw, dict):
         raise DataError(f"{where}: expected an object, got {type(raw).__name__}")
@@ -214,7 +318,7 @@ def _parse_row(raw: Any, where: str) -> _Row:
     extra_info = raw.get("extra_info") or {}
     if not isinstance(extra_info, dict):
         raise DataError(f"{where}: 'extra_info' must be an object, got {type(extra_info).__name__}")
-    return _Row(
+    return Row(
         [{"role": m["role"], "content": m["content"]} for m in messages],
         data_source,
         truth,

@@ -476,6 +476,9 @@ def launch(
         from asyncrl.envs.sandbox import check_isolation_for
 
         check_isolation_for(config)
+    from asyncrl.preflight import preflight
+
+    preflight(config)  # data, reward function, environment, machine: PreflightError
     run_dir = make_run_dir(config, run_dir)
     config = provision_run_secret(config, run_dir)
     if config.cluster.backend == "ray":  # the roles as Ray actors (docs/ray.md)

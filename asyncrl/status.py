@@ -5,6 +5,10 @@ logs) and, if the run is live, asks its buffer (a :class:`StatusRequest`, one
 second at most) for the policy version, what it holds and the generators it
 hears from. Nothing here can disturb the run: the buffer answers a status
 request like a heartbeat, from its own loop.
+
+A figure that is missing, null, not finite or not a number shows as ``—`` (or
+``nan``/``inf``), and a line of ``metrics.jsonl`` that is not a JSON object is
+skipped: a status never ends in a traceback.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from asyncrl.config import Config, config_from_dict
+from asyncrl.config import Config, ConfigError, config_from_dict
+from asyncrl.console import figure
 from asyncrl.messages import Status, StatusRequest
 from asyncrl.paths import latest_checkpoint
 from asyncrl.security import OBSERVER, client_context
@@ -56,9 +61,17 @@ def read_records(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    text = path.read_text()
+    text = path.read_text(errors="replace")
     complete = text[: text.rfind("\n") + 1]  # a live learner may be writing the last line
-    return [json.loads(line) for line in complete.splitlines() if line.strip()]
+    return [record for line in complete.splitlines() if isinstance(record := _record(line), dict)]
+
+
+def _record(line: str) -> object:
+    """A line's JSON value; None for a line that is blank or not JSON (cut by a crash)."""
+    try:
+        return json.loads(line) if line.strip() else None
+    except ValueError:
+        return None
 
 
 def show(run_dir: Path, console: Console | None = None) -> int:
@@ -68,7 +81,12 @@ def show(run_dir: Path, console: Console | None = None) -> int:
     if not config_path.exists():
         console.print(f"[red]asyncrl: {run_dir} is not a run directory (no config.yaml)[/red]")
         return 2
-    config = config_from_dict(yaml.safe_load(config_path.read_text()))
+    try:
+        config = config_from_dict(yaml.safe_load(config_path.read_text()))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ConfigError) as error:
+        reason = " ".join(str(error).split())
+        console.print(f"[red]asyncrl: {escape(str(config_path))}: {escape(reason)}[/red]")
+        return 2
     records = read_records(run_dir)
     metrics = [record for record in records if not record.get("eval_only")]
     live = ask_buffer(config)
@@ -80,7 +98,7 @@ def show(run_dir: Path, console: Console | None = None) -> int:
     model = config.model.name_or_path or "tiny model built from config"
     console.print(
         f"model {model}; step {len(metrics)}/{config.run.total_steps}, "
-        f"version {last.get('version', 0)}"
+        f"version {figure(last, 'version') if last else 0}"
     )
     checkpoint = latest_checkpoint(run_dir)
     console.print(f"latest complete checkpoint: {checkpoint or 'none'}")
@@ -100,10 +118,10 @@ def show(run_dir: Path, console: Console | None = None) -> int:
         stats = live.stats
         console.print(
             f"buffer at {tcp(config.cluster.host, config.cluster.buffer_port)}: policy version "
-            f"{live.policy_version}, holds {stats.get('buffer_held', 0):.0f} samples "
-            f"({stats.get('buffer_held_bytes', 0) / 2**20:.1f} MiB), "
-            f"{stats.get('buffer_in_flight_groups', 0):.0f} groups in flight, "
-            f"{stats.get('buffer_generators_alive', 0):.0f} generators alive"
+            f"{live.policy_version}, holds {figure(stats, 'buffer_held', '.0f')} samples "
+            f"({figure(stats, 'buffer_held_bytes', '.1f', scale=2**-20)} MiB), "
+            f"{figure(stats, 'buffer_in_flight_groups', '.0f')} groups in flight, "
+            f"{figure(stats, 'buffer_generators_alive', '.0f')} generators alive"
         )
         generators = Table(
             "generator", "pool", "last heard", "samples sent", "weight swaps", title="generators"
@@ -112,34 +130,42 @@ def show(run_dir: Path, console: Console | None = None) -> int:
             generators.add_row(
                 name,
                 live.pools.get(name, "default"),
-                f"{counters['seen_s_ago']:.1f}s ago",
-                f"{counters.get('samples_sent', 0):.0f}",
-                f"{counters.get('weight_swaps', 0):.0f}",
+                f"{figure(counters, 'seen_s_ago', '.1f')}s ago",
+                figure(counters, "samples_sent", ".0f"),
+                figure(counters, "weight_swaps", ".0f"),
             )
         console.print(generators)
 
     evaluated = [record for record in records if record.get("eval_reward_mean") is not None]
     if evaluated:
-        e = evaluated[-1]
-        kind = "final eval (the final policy)" if e.get("eval_final") else "latest eval"
-        when = "after training" if e.get("eval_only") else f"at step {e['step'] + 1}"
-        console.print(
-            f"{kind}: round {e['eval_round']:.0f} of version {e['eval_policy_version']:.0f}, "
-            f"reward {e['eval_reward_mean']:.3f} over {e['eval_samples']:.0f} held-out samples "
-            f"(logged {when})"
-        )
+        console.print(eval_line(evaluated[-1]))
 
     if metrics:
         recent = Table(
             "step", "version", "reward", "staleness mean/max", "samples/s", title="recent steps"
         )
         for record in metrics[-RECENT_STEPS:]:
+            staleness = "/".join(
+                [figure(record, "staleness_mean", ".2f"), figure(record, "staleness_max", ".0f")]
+            )
             recent.add_row(
-                str(record["step"] + 1),
-                str(record["version"]),
-                f"{record['reward_mean']:.3f}",
-                f"{record['staleness_mean']:.2f}/{record['staleness_max']:.0f}",
-                f"{record.get('samples_per_s', 0):.1f}",
+                figure(record, "step", add=1),
+                figure(record, "version"),
+                figure(record, "reward_mean", ".3f"),
+                staleness,
+                figure(record, "samples_per_s", ".1f"),
             )
         console.print(recent)
     return 0
+
+
+def eval_line(e: dict) -> str:
+    """The latest eval round's line: which round, of which version, its reward."""
+    kind = "final eval (the final policy)" if e.get("eval_final") else "latest eval"
+    when = "after training" if e.get("eval_only") else f"at step {figure(e, 'step', add=1)}"
+    return (
+        f"{kind}: round {figure(e, 'eval_round', '.0f')} of version "
+        f"{figure(e, 'eval_policy_version', '.0f')}, "
+        f"reward {figure(e, 'eval_reward_mean', '.3f')} "
+        f"over {figure(e, 'eval_samples', '.0f')} held-out samples (logged {when})"
+    )

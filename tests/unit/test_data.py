@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import string
+from pathlib import Path
 
 import msgspec
 import pyarrow as pa
@@ -15,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.data import DataError, PromptDataset
+from asyncrl.data import MAX_LINE_BYTES, DataError, PromptDataset, scan_rows
 from asyncrl.messages import WorkGrant, WorkItem, decode, encode
 from asyncrl.rewards import RewardFunctionError
 from asyncrl.tasks import build_tokenizer, work_item_factory
@@ -244,3 +245,141 @@ def test_data_config_keys(tmp_path):
     )
     with pytest.raises(ConfigError, match=r"data.max_prompt_tokens"):
         load_config(None, ["model.tiny={}", "data.max_prompt_tokens=0"])
+
+
+# --------------------------------------------------------------------------
+# malformed files: one line naming the file and row, never a bare exception
+
+SMOLLM2 = Path(__file__).resolve().parents[2] / "models" / "SmolLM2-135M-Instruct"
+REFUSES_SYSTEM = (
+    "{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}" + TEMPLATE
+)
+
+
+def write_lines(path, *lines: bytes):
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    return path
+
+
+def json_line(value) -> bytes:
+    return json.dumps(value).encode()
+
+
+def test_a_line_that_is_not_utf8_names_the_file_row_and_byte(tmp_path, tokenizer):
+    bad = json_line(row("caf\u00e9")).replace(b"caf\\u00e9", b"caf\xe9")
+    path = write_lines(tmp_path / "latin1.jsonl", json_line(row("first")), bad)
+    at = bad.index(b"\xe9") + 1
+    with pytest.raises(DataError) as error:
+        PromptDataset(path, tokenizer)
+    assert str(error.value) == (
+        f"{path}:2: not UTF-8 text (byte 0xe9 at byte {at} of the line); save the file as UTF-8"
+    )
+
+
+def test_a_chat_template_that_raises_names_the_file_row_and_its_message(tmp_path):
+    tokenizer = chat_tokenizer()
+    tokenizer.chat_template = REFUSES_SYSTEM
+    system = row("hi")
+    system["prompt"].insert(0, {"role": "system", "content": "Be brief."})
+    path = write_jsonl(tmp_path / "train.jsonl", [row("first"), system])
+    with pytest.raises(DataError) as error:
+        PromptDataset(path, tokenizer)
+    assert str(error.value) == (
+        f"{path}:2: the chat template cannot render this prompt: "
+        "TemplateError: System role not supported"
+    )
+
+
+@pytest.mark.skipif(not SMOLLM2.is_dir(), reason="needs models/SmolLM2-135M-Instruct")
+def test_the_real_tokenizers_template_renders_rows_and_its_errors_name_the_row(tmp_path):
+    """SmolLM2's own tokenizer: its template renders a row (with its default system
+    turn), and a template of the Mistral kind, which refuses a system turn, fails
+    through transformers' own ``raise_exception`` with the row named."""
+    from asyncrl.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(SMOLLM2))
+    path = write_jsonl(tmp_path / "train.jsonl", [row("What is 8 * 9?")])
+    text = tokenizer.decode(PromptDataset(path, tokenizer)[0].prompt_ids)
+    assert text.endswith("<|im_start|>user\nWhat is 8 * 9?<|im_end|>\n<|im_start|>assistant\n")
+    tokenizer.chat_template = REFUSES_SYSTEM
+    system = row("hi")
+    system["prompt"].insert(0, {"role": "system", "content": "Be brief."})
+    write_jsonl(path, [row("first"), row("second"), system])
+    with pytest.raises(DataError, match=r"train.jsonl:3: the chat template .*System role"):
+        PromptDataset(path, tokenizer)
+
+
+def test_rows_are_numbered_by_line_so_blank_lines_count(tmp_path, tokenizer):
+    missing = {key: value for key, value in row("x").items() if key != "data_source"}
+    path = write_lines(tmp_path / "gaps.jsonl", json_line(row("a")), b"", b"  ", json_line(missing))
+    with pytest.raises(DataError, match=r"gaps.jsonl:4: missing field 'data_source'"):
+        PromptDataset(path, tokenizer)
+    write_lines(path, json_line(row("a")), b"", json_line(row("b")))
+    assert [r.source for r in PromptDataset(path, tokenizer, shuffle=False).rows] == [
+        f"{path}:1",
+        f"{path}:3",
+    ]
+
+
+def test_an_empty_file_is_named(tmp_path, tokenizer):
+    good = write_jsonl(tmp_path / "good.jsonl", ROWS)
+    for content in (b"", b"\n  \n"):
+        (tmp_path / "empty.jsonl").write_bytes(content)
+        with pytest.raises(DataError) as error:
+            PromptDataset([good, tmp_path / "empty.jsonl"], tokenizer)
+        assert (
+            str(error.value) == f"{tmp_path / 'empty.jsonl'}: no rows (the file is empty or blank)"
+        )
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        (b"[1, 2]", "expected an object, got list"),
+        (b'"a prompt"', "expected an object, got str"),
+        (
+            b'{"prompt": [{"role": "user", "content": "x"}]',
+            "not valid JSON at column 46: Expecting ',' delimiter",
+        ),
+        (b"[" * 100_000, "not valid JSON: nested too deeply"),
+        (b"\xef\xbb\xbf" + json_line(row("x")), "not valid JSON at column 1: Unexpected UTF-8 BOM"),
+    ],
+)
+def test_a_malformed_line_names_the_file_and_row(tmp_path, tokenizer, line, message):
+    path = write_lines(tmp_path / "train.jsonl", json_line(row("first")), line)
+    with pytest.raises(DataError) as error:
+        PromptDataset(path, tokenizer)
+    assert str(error.value).startswith(f"{path}:2: {message}")
+
+
+def test_a_byte_order_mark_on_the_first_line_is_allowed(tmp_path, tokenizer):
+    path = write_lines(tmp_path / "bom.jsonl", b"\xef\xbb\xbf" + json_line(row("hi")))
+    assert PromptDataset(path, tokenizer)[0].source == f"{path}:1"
+
+
+def test_a_line_over_the_bound_is_named_and_the_next_row_still_read(tmp_path, tokenizer):
+    huge = b'{"prompt": "' + b"x" * (MAX_LINE_BYTES + 10) + b'"}'
+    path = write_lines(tmp_path / "big.jsonl", json_line(row("a")), huge, json_line(row("c")))
+    with pytest.raises(DataError) as error:
+        PromptDataset(path, tokenizer)
+    assert str(error.value).startswith(f"{path}:2: line longer than 1 MiB")
+    scanned = list(scan_rows(path))
+    assert [type(item).__name__ for item in scanned] == ["Row", "DataError", "Row"]
+    assert scanned[2].source == f"{path}:3"
+
+
+def test_scan_rows_reports_each_bad_row_and_goes_on(tmp_path):
+    no_truth = {**row("b"), "reward_model": {}}
+    path = write_lines(
+        tmp_path / "t.jsonl", json_line(row("a")), b"{oops", json_line(no_truth), b"\xff"
+    )
+    scanned = [
+        str(item) if isinstance(item, DataError) else item.source for item in scan_rows(path)
+    ]
+    assert scanned == [
+        f"{path}:1",
+        f"{path}:2: not valid JSON at column 2: Expecting property name enclosed in double quotes",
+        f"{path}:3: missing field 'reward_model.ground_truth'",
+        f"{path}:4: not UTF-8 text (byte 0xff at byte 1 of the line); save the file as UTF-8",
+    ]

@@ -37,3 +37,59 @@ def test_status_of_a_stopped_run_shows_its_steps_checkpoint_and_pools(tmp_path):
     assert "latest complete checkpoint: none" in text
     assert "buffer" in text and "default" in text  # a role's log, the default pool
     assert show(tmp_path / "nothing", Console(file=io.StringIO())) == 2
+
+
+def status_text(run_dir, lines: list[bytes]) -> str:
+    config = load_config(None, ["model.tiny.hidden_size=64", "run.total_steps=20"])
+    save_config(config, run_dir / "config.yaml")
+    (run_dir / "metrics.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    out = io.StringIO()
+    assert show(run_dir, Console(file=out, width=200)) == 0
+    return out.getvalue()
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    """The recent-steps table: step -> the other cells."""
+    recent = text.split("recent steps", 1)[1].splitlines()
+    cells = [line.strip("│ ").split("│") for line in recent if line.startswith("│")]
+    return {row[0].strip(): [cell.strip() for cell in row[1:]] for row in cells}
+
+
+def test_status_shows_null_non_finite_string_and_missing_figures(tmp_path):
+    """A NaN batch (reward null), non-finite and string figures, missing keys:
+    `asyncrl status` shows them as —, nan or inf and does not raise."""
+    nan, inf = float("nan"), float("inf")
+    records = [
+        record(0),
+        {**record(1), "reward_mean": None, "staleness_mean": nan, "samples_per_s": inf},
+        {"step": 2},
+        {**record(3), "version": None, "staleness_max": "one", "samples_per_s": -inf},
+        {
+            **record(4), "eval_round": None, "eval_policy_version": nan,
+            "eval_reward_mean": "0.4", "eval_samples": inf,
+        },
+    ]  # fmt: skip
+    text = status_text(tmp_path, [json.dumps(r).encode() for r in records])
+    assert "step 5/20, version 5" in text
+    assert "latest eval: round — of version nan, reward — over inf held-out samples" in text
+    rows = table_rows(text)
+    assert rows["2"] == ["2", "—", "nan/1", "inf"]
+    assert rows["3"] == ["—", "—", "—/—", "—"]
+    assert rows["4"] == ["—", "0.500", "1.00/—", "-inf"]
+
+
+def test_status_skips_metrics_lines_that_are_not_json_objects(tmp_path):
+    good = [json.dumps(record(step)).encode() for step in range(2)]
+    text = status_text(
+        tmp_path, [good[0], b'{"step": 1, "cut by a crash', b"[1, 2]", b"\xff", good[1]]
+    )
+    assert "step 2/20, version 2" in text
+    assert list(table_rows(text)) == ["1", "2"]
+
+
+def test_status_of_a_directory_with_a_broken_config_names_the_file(tmp_path):
+    (tmp_path / "config.yaml").write_text("model: {tiny: {}}\nrun: {total_steps: -1}\n")
+    out = io.StringIO()
+    assert show(tmp_path, Console(file=out, width=300)) == 2
+    assert out.getvalue().startswith(f"asyncrl: {tmp_path / 'config.yaml'}: ")
+    assert "run.total_steps" in out.getvalue()

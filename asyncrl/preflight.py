@@ -1,0 +1,381 @@
+"""Checks run before any process starts: what would otherwise fail in a role's log.
+
+Without them a bad prompt file shows up as a traceback in ``logs/buffer.log``
+after the launcher started every role, and a ``reward.function`` that cannot
+load makes every generator fail at start-up and restart for ever. So
+``asyncrl launch`` and ``asyncrl validate`` call :func:`preflight` first; it
+raises :class:`PreflightError` with one line per problem, each naming the
+config key and, for data, the file and row:
+
+- every prompt file the run reads (``data.train_files``; ``eval.files`` when
+  ``eval`` is on): each row's JSON and fields, and each prompt rendered with the
+  policy tokenizer's chat template (the tokenizer only, no model; at most
+  :data:`RENDER_LIMIT` rows a file, so a big dataset stays quick);
+- the reward function: ``reward.function`` (and an environment's named one) is
+  called on the first row of each data source, with its ground truth as the
+  response, in a reward worker process as the generators would, so one that
+  raises, hangs, crashes, or scores outside ``reward.min``..``reward.max`` is
+  named with the row; without it, each row's ``data_source`` needs a built-in;
+- the ``environment``, when set: built once (its tools resolved, its reward
+  function loaded, its turn formatter built on the tokenizer), running no model;
+- this machine (:func:`machine_checks`): what it cannot give the run
+  (:func:`asyncrl.machine.machine_problems`) and the python tool's sandbox.
+  ``asyncrl validate`` shows these as warnings: a config may be meant for
+  another machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.config import Config
+from asyncrl.machine import machine_problems
+
+if TYPE_CHECKING:
+    from asyncrl.data import DataError, Row
+    from asyncrl.rewards import RewardScorer
+
+RENDER_LIMIT = 5000
+"""Rows of each prompt file rendered with the chat template (every row's JSON and
+fields are checked); the buffer renders the rest when it starts."""
+PROBLEMS_PER_FILE = 5
+"""Bad rows listed per file; more are counted in one line."""
+REWARD_SAMPLES = 4
+"""Data sources whose first row the reward function is called on."""
+GIVEN = " (given its ground truth as the response)"
+_FAILURES = {
+    "error:exception": "raised",
+    "error:timeout": "hung",
+    "error:crashed": "crashed its worker process",
+    "error:bad_return": "returned no finite number",
+}
+"""How a reward worker's error tag reads in a problem."""
+
+
+class PreflightError(ValueError):
+    """The run cannot start; ``problems`` holds one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A row the reward function is called on, and where it came from."""
+
+    where: str
+    data_source: str
+    ground_truth: str
+    extra_info: dict = field(default_factory=dict)
+
+
+def preflight(config: Config, *, data: bool = True, machine: bool = True) -> None:
+    """Raise :class:`PreflightError` listing every problem found.
+
+    ``data``: read the prompt files and load the tokenizer (without it a data
+    run's reward function is loaded, not called). ``machine``: include
+    :func:`machine_checks`.
+    """
+    problems: list[str] = []
+    samples: list[Sample] = []
+    tokenizer = _Tokenizer(config)
+    if not config.data.train_files:
+        samples.append(task_sample(config))
+    elif data:
+        rows: dict[str, Row] = {}
+        problems += check_data(config, tokenizer, rows)
+        samples += [_row_sample(row) for row in rows.values()]
+    environment_problems, environment_score = check_environment(config, tokenizer, data)
+    problems += environment_problems
+    problems += check_rewards(config, samples, environment_score)
+    if tokenizer.problem is not None:
+        problems.insert(0, tokenizer.problem)
+    if machine:
+        problems += machine_checks(config)
+    if problems:
+        raise PreflightError(list(dict.fromkeys(problems)))  # each once (train and eval)
+
+
+def machine_checks(config: Config) -> list[str]:
+    """What this machine cannot give the run: cores, GPUs
+    (:func:`~asyncrl.machine.machine_problems`), the python tool's sandbox."""
+    problems = machine_problems(config)
+    if config.environment is not None:
+        from asyncrl.envs.sandbox import SandboxUnavailable, check_isolation_for
+
+        try:
+            check_isolation_for(config)
+        except SandboxUnavailable as error:
+            problems.append(f"environment.python_isolation: {_text(error)}")
+    return problems
+
+
+def _text(error: BaseException) -> str:
+    from asyncrl.data import one_line
+
+    return one_line(error, typed=not isinstance(error, ValueError | OSError))
+
+
+class _Tokenizer:
+    """The policy's tokenizer, loaded on first use; failing to load is one problem."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.loaded = False
+        self.value: Any = None
+        self.problem: str | None = None
+
+    def get(self) -> Any:
+        if not self.loaded:
+            self.loaded = True
+            from asyncrl.tasks import prompt_tokenizer
+
+            name = self.config.model.name_or_path
+            if name is not None and _local(name) and not Path(name).expanduser().exists():
+                self.problem = f"model.name_or_path: no such folder or file {name}"
+                return None
+            try:
+                self.value = prompt_tokenizer(self.config)
+            except Exception as error:
+                self.problem = (
+                    f"model.name_or_path: cannot load the tokenizer of "
+                    f"{self.config.model.name_or_path}: {_text(error)}"
+                )
+        return self.value
+
+
+def _local(name: str) -> bool:
+    """Whether ``model.name_or_path`` can only mean a local path (not a Hub name)."""
+    return name.startswith(("/", "./", "../", "~")) or name.lower().endswith(".gguf")
+
+
+# --------------------------------------------------------------------------
+# prompt files
+
+
+def check_data(config: Config, tokenizer: _Tokenizer, first_rows: dict[str, Row]) -> list[str]:
+    """Problems of the prompt files the run reads. ``first_rows`` gets each data
+    source's first row (to call the reward function on)."""
+    groups = [("data.train_files", config.data.train_files)]
+    if config.eval.enabled:
+        groups.append(("eval.files", config.eval.files))
+    problems: list[str] = []
+    for key, files in groups:
+        check = _FilesCheck(key, config.data.max_prompt_tokens, first_rows)
+        if any(Path(path).is_file() for path in files):
+            problems += check.use_tokenizer(config, tokenizer)
+        for path in files:
+            check.file(path)
+        problems += check.problems + check.none_fits()
+    return problems + _unscored_sources(config, first_rows.values())
+
+
+@dataclass
+class _FilesCheck:
+    """Checks the files under one config key, counting how their prompts render."""
+
+    key: str
+    limit: int
+    first_rows: dict[str, Row]
+    template: Any = None
+    """The tokenizer, once it is known to have a chat template."""
+    problems: list[str] = field(default_factory=list)
+    rows: int = 0
+    rendered: int = 0
+    fitting: int = 0
+    shortest: int | None = None
+
+    def use_tokenizer(self, config: Config, tokenizer: _Tokenizer) -> list[str]:
+        """Render with ``tokenizer``; its lacking a chat template is the problem."""
+        from asyncrl.data import DataError, require_chat_template
+
+        if tokenizer.get() is None:
+            return []
+        try:
+            require_chat_template(tokenizer.value)
+        except DataError as error:
+            name = config.model.name_or_path
+            where = f"model.name_or_path: {name}" if name else "model.tiny (its built-in tokenizer)"
+            return [f"{where}: {error}"]
+        self.template = tokenizer.value
+        return []
+
+    def file(self, path: str) -> None:
+        """Check every row of ``path``; render up to :data:`RENDER_LIMIT` of them."""
+        from asyncrl.data import DataError, scan_rows
+
+        bad = rendered = 0
+        try:
+            for item in scan_rows(path):
+                self.rows += 1
+                if not isinstance(item, DataError):
+                    self.first_rows.setdefault(item.data_source, item)
+                    if self.template is not None and rendered < RENDER_LIMIT:
+                        rendered += 1
+                        item = self._render(item)
+                if isinstance(item, DataError):
+                    bad += 1
+                    if bad <= PROBLEMS_PER_FILE:
+                        self.problems.append(f"{self.key}: {item}")
+        except DataError as error:  # the file itself: missing, unreadable, empty
+            self.problems.append(f"{self.key}: {error}")
+        if bad > PROBLEMS_PER_FILE:
+            more = bad - PROBLEMS_PER_FILE
+            self.problems.append(f"{self.key}: {path}: {more} more bad rows not listed")
+        self.rendered += rendered
+
+    def _render(self, row: Row) -> Row | DataError:
+        """``row`` after counting its rendered length, or the template's error."""
+        from asyncrl.data import DataError, render_prompt
+
+        try:
+            length = len(render_prompt(self.template, row.messages, row.source))
+        except DataError as error:
+            return error
+        self.fitting += length <= self.limit
+        self.shortest = length if self.shortest is None else min(self.shortest, length)
+        return row
+
+    def none_fits(self) -> list[str]:
+        """Every row rendered and none fits in the limit: the buffer would refuse them."""
+        if self.problems or not self.rows or self.rendered < self.rows or self.fitting:
+            return []
+        return [
+            f"{self.key}: none of the {self.rows} prompts fits in data.max_prompt_tokens="
+            f"{self.limit} once rendered with the chat template (the shortest has "
+            f"{self.shortest} tokens)"
+        ]
+
+
+def _unscored_sources(config: Config, rows: Iterable[Row]) -> list[str]:
+    """Without ``reward.function``: each data source that has no built-in function."""
+    if config.reward.function:
+        return []
+    from asyncrl.rewards import REWARD_FUNCTIONS
+
+    built_in = ", ".join(sorted(REWARD_FUNCTIONS))
+    return [
+        f"reward.function: {row.source}: no built-in reward function for data_source "
+        f"{row.data_source!r} (built in: {built_in}); set reward.function to "
+        "module:function or path/to/file.py:function"
+        for row in rows
+        if row.data_source not in REWARD_FUNCTIONS
+    ]
+
+
+def _row_sample(row: Row) -> Sample:
+    return Sample(row.source, row.data_source, row.ground_truth, dict(row.extra_info))
+
+
+def task_sample(config: Config) -> Sample:
+    """The built-in task's first prompt, as the generators would score it."""
+    from asyncrl.tasks import DigitsTask
+
+    prompt = DigitsTask(config.task, config.run.seed).prompt(0)
+    return Sample(f"task.{config.task.name} prompt 0", prompt.data_source, prompt.ground_truth)
+
+
+# --------------------------------------------------------------------------
+# the environment and the reward function
+
+
+def check_environment(
+    config: Config, tokenizer: _Tokenizer, formatter: bool = True
+) -> tuple[list[str], str | None]:
+    """Problems building ``environment`` (no model runs) and, with ``formatter``, its
+    turn formatter on the tokenizer; and the name of its own reward function when it
+    has one that is not built in."""
+    environment = config.environment
+    if environment is None:
+        return [], None
+    from asyncrl.envs.config import environment_factory
+    from asyncrl.envs.formatting import build_formatter
+    from asyncrl.envs.tool_env import DEFAULT_SCORE
+
+    problems: list[str] = []
+    score_function = None
+    try:  # quiet: machine_checks' sandbox says isolation=none once, not each build
+        with _quiet("asyncrl.envs.sandbox"):
+            built = environment_factory(environment, defer_score=True)()
+        score_function = getattr(built, "score_function", None)
+    except Exception as error:
+        problems.append(f"environment: {_text(error)}")
+    needs_tokenizer = formatter and environment.formatter in ("template", "auto")
+    if needs_tokenizer and tokenizer.get() is not None:
+        try:
+            build_formatter(environment.formatter, tokenizer.value)
+        except Exception as error:
+            problems.append(f"environment.formatter: {_text(error)}")
+    if not isinstance(score_function, str) or score_function == DEFAULT_SCORE:
+        score_function = None
+    return problems, score_function
+
+
+def check_rewards(
+    config: Config, samples: list[Sample], environment_score: str | None = None
+) -> list[str]:
+    """Load ``reward.function`` and call it (and ``environment_score``) on each sample
+    in one reward worker: the built-in functions are trusted and not called."""
+    function = config.reward.function
+    if not function and not environment_score:
+        return []
+    from asyncrl.rewards import RewardFunctionError, RewardScorer
+
+    try:
+        scorer = RewardScorer.from_config(config.reward.model_copy(update={"workers": 1}))
+    except RewardFunctionError as error:
+        return [f"reward.function: {_text(error)}"]
+    problems: list[str] = []
+    with _quiet("asyncrl.rewards"), scorer:
+        for sample in samples[:REWARD_SAMPLES]:
+            if function:
+                problems += _score(config, scorer, sample, None, "reward.function")
+            if environment_score:
+                key = "environment.kwargs.compute_score"
+                problems += _score(config, scorer, sample, environment_score, key)
+    return problems
+
+
+def _score(
+    config: Config, scorer: RewardScorer, sample: Sample, function: str | None, key: str
+) -> list[str]:
+    """The problem, if any, of scoring ``sample`` (its ground truth as the response)."""
+    name = function or config.reward.function
+    try:
+        future = scorer.submit(
+            sample.data_source,
+            sample.ground_truth,
+            sample.ground_truth,
+            sample.extra_info,
+            function,
+        )
+        score = future.result(timeout=config.reward.timeout_s + 60)
+    except Exception as error:  # the workers cannot start, or never answered
+        return [f"{key}: {sample.where}: {name} could not be called{GIVEN}: {_text(error)}"]
+    if score.error is not None:
+        failed = _FAILURES.get(score.error, f"failed ({score.error})")
+        return [f"{key}: {sample.where}: {name} {failed} on this row{GIVEN}: {score.detail}"]
+    low, high = config.reward.min, config.reward.max
+    if not low <= score.reward <= high:
+        return [
+            f"{key}: {sample.where}: {name} scored {score.reward:g} on this row{GIVEN}, outside "
+            f"reward.min..reward.max = {low:g}..{high:g}: the buffer would refuse such samples"
+        ]
+    return []
+
+
+@contextlib.contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """Silence logger ``name``: the scorer logs each failure, which the problem says."""
+    logger = logging.getLogger(name)
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
