@@ -19,12 +19,25 @@ MATH-lighteval``, ``HuggingFaceH4/MATH-500``,
 ``math``
 ================================================  ===========================
 
-:class:`RewardScorer` runs the functions in worker processes (``spawn``), so a
-slow function never holds up generation, and a hung one can be killed: each
-sample gets ``timeout_s``; past it the worker is killed and replaced, and the
-sample scores 0.0 tagged ``error:timeout``. A function that raises scores 0.0
-tagged ``error:exception``. Tags are counted in ``scorer.counters`` and logged
-(the first few of each kind with details); the run goes on.
+:class:`RewardScorer` runs the functions in worker processes, so a slow function
+never holds up generation, and a hung one can be killed. Whatever a function does
+costs at most the sample it is scoring, which scores 0.0 with a tag:
+
+* it raises: ``error:exception``;
+* it returns anything but a finite real number (``bool``, numpy's too, a numeric
+  string, None, a list, NaN): ``error:bad_return``;
+* it runs past ``timeout_s``: ``error:timeout``;
+* it goes past ``memory_limit_mb`` of address space (``RLIMIT_AS``, set before the
+  function is loaded): ``error:memory``;
+* its process dies (``os._exit``, a signal): ``error:crashed``;
+* it writes to the worker's channel to the scorer (every message is a
+  length-prefixed JSON frame, checked on arrival): ``error:channel``.
+
+In the last four cases the worker is replaced and the samples queued behind it go
+to the new one. Tags are counted in ``scorer.counters`` and logged (the first few
+of each kind with details); the run goes on. What a worker prints goes to a pipe
+the scorer reads: counted in ``worker_output_bytes``, with the first 2 KiB of it
+logged at most once a minute.
 
 Threads could not do this: a thread stuck in a reward function cannot be
 stopped, and would keep its pool slot (and a core) for as long as it hangs.
@@ -34,26 +47,33 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import hashlib
 import importlib
 import importlib.util
 import itertools
+import json
 import logging
 import math
 import multiprocessing.connection
+import numbers
 import os
+import pickle
 import re
+import reprlib
+import resource
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -324,17 +344,75 @@ ERROR_TIMEOUT = "error:timeout"
 ERROR_CRASHED = "error:crashed"
 """The worker process died while scoring (the function exited, or was killed)."""
 ERROR_BAD_RETURN = "error:bad_return"
-"""The function returned something that is not a finite number."""
+"""The function returned something that is not a finite real number."""
 ERROR_NO_FUNCTION = "error:no_reward_function"
 """No ``reward.function`` and no built-in for the row's ``data_source``."""
+ERROR_MEMORY = "error:memory"
+"""The function ran out of memory (``reward.memory_limit_mb``); its worker was replaced."""
+ERROR_CHANNEL = "error:channel"
+"""The worker sent something that is not a reply (the function wrote to the worker's
+channel); the worker was replaced."""
+
+_WORKER_ERRORS = frozenset({ERROR_EXCEPTION, ERROR_BAD_RETURN, ERROR_NO_FUNCTION, ERROR_MEMORY})
+"""The tags a worker may put in a reply; any other makes the reply invalid."""
 
 _LOGGED_PER_TAG = 5
 _BATCH = 64
+_DETAIL_CHARS = 500
+_REPR_CHARS = 200
+
+_FRAME = struct.Struct("!Q")
+"""Every message on a worker's channel is this length, then that many bytes."""
+_MAX_REPLY_BYTES = 1 << 16
+"""A worker's replies are small; a longer frame means the channel carries garbage."""
+_READ_BYTES = 1 << 20
+_CHANNEL_FD = 512
+"""Where a worker moves its channel: far from the low numbers a function might write to."""
+
+_OUTPUT_KEEP_BYTES = 2048
+"""Of what a worker prints, this much is kept for the log each time it goes idle."""
+_OUTPUT_LOG_INTERVAL_S = 60.0
+"""At most one excerpt of the workers' output is logged per interval; the rest is counted."""
+
+
+def _clip(text: str, limit: int = _DETAIL_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = _REPR_CHARS
+_REPR.maxlevel = 3
+
+
+def _short_repr(value: Any) -> str:
+    """``repr`` cut to ~200 characters without building the whole of a huge str, list or dict
+    (nor failing on an int too long to print)."""
+    try:
+        return _clip(_REPR.repr(value), _REPR_CHARS)
+    except Exception:
+        return f"<{type(value).__name__} object>"
+
+
+def _describe(error: BaseException) -> str:
+    """``Type: message``, clipped; an exception whose ``str`` fails still gets its type."""
+    try:
+        message = str(error)
+    except Exception:
+        message = "<unprintable>"
+    name = type(error).__name__
+    return _clip(f"{name}: {_clip(message, 2 * _DETAIL_CHARS)}" if message else name)
 
 
 def _to_reward(value: Any) -> float:
-    if isinstance(value, dict):
+    """``value`` as a reward: a finite real number (verl's ``{"score": x}`` too).
+
+    Booleans (numpy's as well), numeric strings, None and containers are not
+    rewards: taking them would hide a function that returns the wrong thing.
+    """
+    if isinstance(value, Mapping) and "score" in value:
         value = value["score"]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"a {type(value).__name__} is not a real number")
     reward = float(value)
     if not math.isfinite(reward):
         raise ValueError(f"{reward} is not finite")
@@ -348,19 +426,77 @@ def _score_one(function: RewardFunction | None, job: tuple) -> tuple[float, str 
         try:
             function = load_reward_function(named[0])
         except Exception as error:
-            return 0.0, ERROR_EXCEPTION, str(error)[:500]
+            return 0.0, ERROR_EXCEPTION, _clip(str(error))
     if function is None:
         function = REWARD_FUNCTIONS.get(data_source)
         if function is None:
             return 0.0, ERROR_NO_FUNCTION, f"no reward function for data_source {data_source!r}"
     try:
         value = function(data_source, solution_str, ground_truth, extra_info)
+    except MemoryError as error:
+        return 0.0, ERROR_MEMORY, _describe(error)
     except BaseException as error:  # SystemExit too: a reward function must not end the worker
-        return 0.0, ERROR_EXCEPTION, f"{type(error).__name__}: {error}"[:500]
+        return 0.0, ERROR_EXCEPTION, _describe(error)
     try:
         return _to_reward(value), None, ""
     except Exception as error:
-        return 0.0, ERROR_BAD_RETURN, f"returned {value!r:.100}: {error}"
+        return 0.0, ERROR_BAD_RETURN, f"returned {_short_repr(value)}: {_describe(error)}"
+
+
+# -- the worker's side of the channel
+
+
+def _frame(payload: bytes) -> bytes:
+    return _FRAME.pack(len(payload)) + payload
+
+
+def _read_exactly(channel: socket.socket, size: int) -> bytes | None:
+    """``size`` bytes from ``channel``; None when it closes first."""
+    data = bytearray()
+    while len(data) < size:
+        chunk = channel.recv(min(size - len(data), _READ_BYTES))
+        if not chunk:
+            return None
+        data += chunk
+    return bytes(data)
+
+
+def _read_job_batch(channel: socket.socket) -> list | None:
+    """The next batch from the scorer; None when it says stop or the channel closes."""
+    header = _read_exactly(channel, _FRAME.size)
+    payload = None if header is None else _read_exactly(channel, _FRAME.unpack(header)[0])
+    return None if payload is None else pickle.loads(payload)
+
+
+def _send_reply(channel: socket.socket, message: list) -> None:
+    channel.sendall(_frame(json.dumps(message).encode()))
+
+
+def _private_channel(fd: int) -> socket.socket:
+    """The channel moved to a high, close-on-exec descriptor, the one it came on closed.
+
+    Its number is then none that a function writing to "its" descriptors (3, 4, ...)
+    would hit by accident, and no program the function starts inherits it.
+    """
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest = _CHANNEL_FD if soft == resource.RLIM_INFINITY else min(_CHANNEL_FD, soft - 1)
+    if lowest <= fd:
+        return socket.socket(fileno=fd)
+    moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, lowest)
+    os.close(fd)
+    return socket.socket(fileno=moved)
+
+
+def _limit_memory(megabytes: int) -> None:
+    """Cap the worker's address space, so that a runaway function gets a MemoryError (or
+    is killed) instead of taking the host's memory."""
+    if megabytes <= 0:
+        return
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = megabytes << 20
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -372,30 +508,78 @@ def _watch_parent(parent_pid: int) -> None:
 
 _WORKER_COMMAND = (
     "import sys; from asyncrl.rewards import _worker_main; "
-    "_worker_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]))"
+    "_worker_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))"
 )
 
 
-def _worker_main(fd: int, spec: str, parent_pid: int) -> None:
-    """A scoring process: load the function, then score batches, one reply per sample."""
-    conn = Connection(fd)
+def _worker_main(fd: int, spec: str, parent_pid: int, memory_limit_mb: int = 0) -> None:
+    """A scoring process: load the function, then score batches, one reply per sample.
+
+    stdin is /dev/null and stdout/stderr a pipe the scorer reads (bounded), so the
+    only way onto the channel is a deliberate write to its descriptor.
+    """
+    channel = _private_channel(fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    _limit_memory(memory_limit_mb)
     try:
         function = load_reward_function(spec) if spec else None
     except Exception as error:
-        conn.send(("failed", str(error)))
+        _send_reply(channel, ["failed", _clip(str(error), 4 * _DETAIL_CHARS)])
         return
-    conn.send(("ready", None))
-    while True:
-        try:
-            batch = conn.recv()
-        except (EOFError, OSError):
-            return
-        if batch is None:
-            return
+    _send_reply(channel, ["ready"])
+    while (batch := _read_job_batch(channel)) is not None:
         for job_id, job in batch:
-            conn.send((job_id, _score_one(function, job)))
+            reward, error, detail = _score_one(function, job)
+            _send_reply(channel, [job_id, reward, error, detail])
+            if error == ERROR_MEMORY:
+                return  # the heap may be in a bad way: the scorer starts a fresh worker
+
+
+# -- the scorer's side
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} in a reply")
+
+
+def _decode_reply(payload: bytes) -> list:
+    """A worker's message, checked: ``["ready"]``, ``["failed", reason]`` or
+    ``[job id, reward, error tag or None, detail]``. ValueError for anything else."""
+    message = json.loads(payload, parse_constant=_reject_constant)
+    match message:
+        case ["ready"] | ["failed", str()]:
+            return message
+        case [int() as job_id, float() as reward, None | str() as error, str() as detail]:
+            if isinstance(job_id, bool) or not math.isfinite(reward):
+                raise ValueError(f"a reply with job {job_id!r} and reward {reward!r}")
+            if error is not None and error not in _WORKER_ERRORS:
+                raise ValueError(f"a reply with an unknown error tag {_short_repr(error)}")
+            return [job_id, reward, error, _clip(detail)]
+    raise ValueError(f"not a reply: {_short_repr(message)}")
+
+
+def _take_frames(inbox: bytearray) -> Iterator[bytes]:
+    """The complete frames at the front of ``inbox``, each removed as it is taken (a partial
+    one stays). ValueError, once the frames before it are taken, for a frame longer than
+    any reply: garbage on the channel, which must not cost the replies that came first."""
+    while len(inbox) >= _FRAME.size:
+        (size,) = _FRAME.unpack_from(inbox)
+        if size > _MAX_REPLY_BYTES:
+            raise ValueError(f"a frame of {size} bytes; replies are at most {_MAX_REPLY_BYTES}")
+        end = _FRAME.size + size
+        if len(inbox) < end:
+            return
+        frame = bytes(inbox[_FRAME.size : end])
+        del inbox[:end]
+        yield frame
+
+
+def _exit_description(code: int | None) -> str:
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"the reward worker was killed by {signal.Signals(-code).name}"
+    return f"the reward worker exited with code {code}"
 
 
 @dataclass
@@ -407,11 +591,17 @@ class _Job:
 
 @dataclass
 class _Worker:
-    process: Any
-    conn: Connection
+    process: subprocess.Popen
+    channel: socket.socket
     ready: bool = False
     jobs: collections.deque = field(default_factory=collections.deque)
     deadline: float = math.inf
+    inbox: bytearray = field(default_factory=bytearray)
+    """Bytes read from the channel that do not make a whole frame yet."""
+    output_fd: int | None = None
+    """The read end of the worker's stdout and stderr; None once it is closed."""
+    output: bytearray = field(default_factory=bytearray)
+    output_bytes: int = 0
 
 
 class RewardScorer:
@@ -419,22 +609,36 @@ class RewardScorer:
 
     ``submit(...)`` returns at once with a :class:`concurrent.futures.Future` of a
     :class:`Score`; the future always completes, with a 0.0 ``Score`` tagged
-    ``error:...`` when the function raised, hung or crashed::
+    ``error:...`` when the function raised, hung, crashed, ran out of memory or
+    returned something that is not a number::
 
         with RewardScorer("my_rewards.py:compute_score", timeout_s=5) as scorer:
             future = scorer.submit("openai/gsm8k", "... #### 42", "42", {})
             reward, error, _ = future.result()
 
-    Worker processes start with the first sample. A background thread hands
-    samples out in batches, enforces each sample's deadline (a hung worker is
-    killed and replaced; its other samples go to the next worker) and fills the
-    futures. ``function`` (``module:function`` or ``file.py:function``) is loaded
-    here first, so a bad name fails at construction, not in a worker.
+    Worker processes start with the first sample, each limited to
+    ``memory_limit_mb`` of address space. A background thread hands samples out
+    in batches, enforces each sample's deadline, checks every message a worker
+    sends, and fills the futures. A worker that hangs, dies, runs out of memory
+    or sends anything but a well-formed reply is replaced: the sample it was
+    scoring fails, its other samples go to the next worker. What workers print
+    is read off a pipe and logged in short excerpts. ``function``
+    (``module:function`` or ``file.py:function``) is loaded here first, so a bad
+    name fails at construction, not in a worker.
     """
 
-    def __init__(self, function: str | None = None, timeout_s: float = 10.0, workers: int = 1):
-        if timeout_s <= 0 or workers < 1:
-            raise ValueError(f"need timeout_s > 0 and workers >= 1, got {timeout_s}, {workers}")
+    def __init__(
+        self,
+        function: str | None = None,
+        timeout_s: float = 10.0,
+        workers: int = 1,
+        memory_limit_mb: int = 4096,
+    ):
+        if timeout_s <= 0 or workers < 1 or memory_limit_mb < 1:
+            raise ValueError(
+                "need timeout_s > 0, workers >= 1 and memory_limit_mb >= 1, "
+                f"got {timeout_s}, {workers}, {memory_limit_mb}"
+            )
         if function:
             load_reward_function(function)
             where, _, name = function.rpartition(":")
@@ -443,8 +647,10 @@ class RewardScorer:
         self.function = function or None
         self.timeout_s = timeout_s
         self.num_workers = workers
+        self.memory_limit_mb = memory_limit_mb
         self.counters: collections.Counter[str] = collections.Counter()
-        """``scored``, ``errors``, one entry per error tag, ``workers_started``."""
+        """``scored``, ``errors``, one entry per error tag, ``workers_started``,
+        ``worker_output_bytes``."""
         self._lock = threading.Lock()
         self._queue: collections.deque[_Job] = collections.deque()
         self._ids = itertools.count()
@@ -454,11 +660,12 @@ class RewardScorer:
         self._closed = False
         self._failed: str | None = None
         self._startup_failures = 0
+        self._output_logged_at = -math.inf
 
     @classmethod
     def from_config(cls, config) -> RewardScorer:
         """From the ``reward`` section (:class:`asyncrl.config.RewardConfig`)."""
-        return cls(config.function, config.timeout_s, config.workers)
+        return cls(config.function, config.timeout_s, config.workers, config.memory_limit_mb)
 
     # -- the caller's side
 
@@ -535,16 +742,7 @@ class RewardScorer:
             while not self._closed:
                 self._fill_workers()
                 self._assign()
-                now = time.monotonic()
-                deadline = min((w.deadline for w in self._workers), default=math.inf)
-                timeout = None if deadline == math.inf else max(0.0, deadline - now)
-                ready = wait([self._wake_recv, *(w.conn for w in self._workers)], timeout)
-                if self._wake_recv in ready:
-                    while self._wake_recv.poll():
-                        self._wake_recv.recv_bytes()
-                for worker in list(self._workers):
-                    if worker in self._workers and worker.conn in ready:
-                        self._receive(worker)
+                self._wait_and_read()
                 now = time.monotonic()
                 for worker in list(self._workers):
                     if worker.jobs and worker.deadline <= now:
@@ -560,20 +758,43 @@ class RewardScorer:
             for job in pending:
                 self._finish(job, Score(0.0, "error:scorer", self._failed))
 
+    def _wait_and_read(self) -> None:
+        """Wait for a wake-up, a message, output or the next deadline; read what came."""
+        deadline = min((w.deadline for w in self._workers), default=math.inf)
+        timeout = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
+        outputs = [w.output_fd for w in self._workers if w.output_fd is not None]
+        ready = set(wait([self._wake_recv, *(w.channel for w in self._workers), *outputs], timeout))
+        if self._wake_recv in ready:
+            while self._wake_recv.poll():
+                self._wake_recv.recv_bytes()
+        for worker in list(self._workers):
+            if worker.output_fd in ready:
+                self._read_output(worker)
+        for worker in list(self._workers):
+            if worker in self._workers and worker.channel in ready:
+                self._receive(worker)
+
     def _fill_workers(self) -> None:
         while len(self._workers) < self.num_workers and not self._failed:
             ours, theirs = socket.socketpair()
-            with ours, theirs:
+            with theirs:
                 fd = theirs.fileno()
                 command = [sys.executable, "-c", _WORKER_COMMAND, str(fd), self.function or ""]
                 process = subprocess.Popen(
-                    [*command, str(os.getpid())],
+                    [*command, str(os.getpid()), str(self.memory_limit_mb)],
                     pass_fds=(fd,),
                     stdin=subprocess.DEVNULL,
-                    env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    env={
+                        **os.environ,
+                        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+                        "PYTHONUNBUFFERED": "1",  # output reaches the pipe as it is printed
+                    },
                 )
-                conn = Connection(ours.detach())
-            self._workers.append(_Worker(process, conn))
+            output_fd = process.stdout.fileno()
+            os.set_blocking(output_fd, False)
+            self._workers.append(_Worker(process, ours, output_fd=output_fd))
             self.counters["workers_started"] += 1
 
     def _assign(self) -> None:
@@ -584,55 +805,100 @@ class RewardScorer:
                 if not self._queue:
                     return
                 batch = [self._queue.popleft() for _ in range(min(_BATCH, len(self._queue)))]
+            try:
+                payload = pickle.dumps([(job.id, job.args) for job in batch])
+            except Exception as error:  # e.g. extra_info that cannot be pickled
+                for job in batch:
+                    self._finish(job, Score(0.0, ERROR_EXCEPTION, f"cannot send: {error}"))
+                continue
             worker.jobs.extend(batch)
             worker.deadline = time.monotonic() + self.timeout_s
             try:
-                worker.conn.send([(job.id, job.args) for job in batch])
-            except Exception as error:  # e.g. extra_info that cannot be pickled
+                worker.channel.sendall(_frame(payload))
+            except OSError:
                 worker.jobs.clear()
                 worker.deadline = math.inf
-                if isinstance(error, (OSError, EOFError)):
-                    self._requeue(batch)
-                    self._replace(worker, None)
-                    continue
-                for job in batch:
-                    self._finish(job, Score(0.0, ERROR_EXCEPTION, f"cannot send: {error}"))
+                self._requeue(batch)
+                self._replace(worker, None)
+                return  # self._workers changed under the loop; the next round goes on
 
     def _receive(self, worker: _Worker) -> None:
+        """Read what the worker sent and act on each whole message; replace a worker that
+        closed its channel or sent anything but a well-formed message."""
         try:
-            while worker.conn.poll():
-                tag, payload = worker.conn.recv()
-                if tag == "ready":
-                    worker.ready = True
-                    self._startup_failures = 0
-                elif tag == "failed":
-                    self._failed = payload
-                    log.error("reward worker cannot start: %s", payload)
-                    self._fail_everything(payload)
+            data = worker.channel.recv(_READ_BYTES, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._crashed(worker)
+            return
+        worker.inbox += data
+        try:
+            for frame in _take_frames(worker.inbox):
+                if not self._handle(worker, _decode_reply(frame)):
                     return
-                else:
-                    job = worker.jobs.popleft()
-                    assert job.id == tag, (job.id, tag)
-                    self._finish(job, Score(*payload))
-                    worker.deadline = time.monotonic() + self.timeout_s if worker.jobs else math.inf
-        except (EOFError, OSError):
-            process = worker.process
-            try:
-                code = process.wait(timeout=1)
-            except subprocess.TimeoutExpired:
-                code = None
-            detail = f"the reward worker exited with code {code}"
-            if not worker.ready:
-                self._startup_failures += 1
-                if self._startup_failures >= 3:
-                    self._failed = f"{detail} while starting, {self._startup_failures} times"
-                    log.error("reward workers cannot start: %s", self._failed)
-                    self._fail_everything(self._failed)
-                    return
-            current = worker.jobs.popleft() if worker.jobs else None
-            self._replace(
-                worker, None if current is None else (current, Score(0.0, ERROR_CRASHED, detail))
+        except ValueError as error:  # json's errors and UnicodeDecodeError are ValueErrors
+            detail = (
+                f"the reward worker sent something that is not a reply ({_clip(str(error), 200)});"
+                " it was replaced. Does the reward function write to descriptors it did not open?"
             )
+            self._lost(worker, ERROR_CHANNEL, detail)
+
+    def _handle(self, worker: _Worker, message: list) -> bool:
+        """Act on one checked message; False when the worker is gone after it."""
+        if message[0] == "ready":
+            if worker.ready:
+                raise ValueError("a second 'ready'")
+            worker.ready = True
+            self._startup_failures = 0
+            return True
+        if message[0] == "failed":
+            self._failed = message[1]
+            log.error("reward worker cannot start: %s", message[1])
+            self._fail_everything(message[1])
+            return False
+        job_id, reward, error, detail = message
+        if not worker.ready or not worker.jobs or worker.jobs[0].id != job_id:
+            expected = worker.jobs[0].id if worker.jobs else None
+            raise ValueError(f"a reply for job {job_id}, expected {expected}")
+        job = worker.jobs.popleft()
+        if error == ERROR_MEMORY:
+            detail = (
+                f"{detail}: the reward function ran out of memory "
+                f"(reward.memory_limit_mb={self.memory_limit_mb}); the worker was replaced"
+            )
+            self._replace(worker, (job, Score(0.0, error, detail)))
+            return False
+        self._finish(job, Score(reward if error is None else 0.0, error, detail))
+        worker.deadline = time.monotonic() + self.timeout_s if worker.jobs else math.inf
+        if not worker.jobs:
+            self._flush_output(worker)
+        return True
+
+    def _crashed(self, worker: _Worker) -> None:
+        try:
+            code = worker.process.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            code = None
+        self._lost(worker, ERROR_CRASHED, _exit_description(code))
+
+    def _lost(self, worker: _Worker, tag: str, detail: str) -> None:
+        """Replace a worker that died or broke its channel: the sample it was scoring fails
+        with ``tag``, its other samples are requeued. Three in a row that never got ready
+        fail the scorer (the function cannot even load)."""
+        if not worker.ready:
+            self._startup_failures += 1
+            if self._startup_failures >= 3:
+                self._failed = f"{detail} while starting, {self._startup_failures} times"
+                log.error("reward workers cannot start: %s", self._failed)
+                self._fail_everything(self._failed)
+                return
+        current = worker.jobs.popleft() if worker.jobs else None
+        if current is None:
+            log.warning("reward worker replaced: %s", detail)
+        self._replace(worker, None if current is None else (current, Score(0.0, tag, detail)))
 
     def _timed_out(self, worker: _Worker) -> None:
         job = worker.jobs.popleft()
@@ -663,19 +929,69 @@ class RewardScorer:
         for job in pending:
             self._finish(job, Score(0.0, "error:scorer", reason))
 
-    @staticmethod
-    def _stop_worker(worker: _Worker) -> None:
-        process: subprocess.Popen = worker.process
+    def _stop_worker(self, worker: _Worker) -> None:
+        process = worker.process
         if process.poll() is None and not worker.jobs and worker.ready:
             with contextlib.suppress(OSError):
-                worker.conn.send(None)  # idle: ask it to leave
+                worker.channel.sendall(_frame(pickle.dumps(None)))  # idle: ask it to leave
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=1)
         if process.poll() is None:
             process.kill()  # scoring (maybe hung) or starting: no need to be polite
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=5)
-        worker.conn.close()
+        worker.channel.close()
+        for _ in range(8):  # what it printed last (a traceback, say) is worth a look
+            if worker.output_fd is None or not self._read_output(worker):
+                break
+        self._flush_output(worker)
+        if worker.output_fd is not None:
+            self._close_output(worker)
+
+    # -- what workers print
+
+    def _read_output(self, worker: _Worker) -> bool:
+        """Read some of the worker's output, keeping the first few KiB; False when there was
+        nothing to read (the pipe is empty, or closed, and then closed here too)."""
+        try:
+            chunk = os.read(worker.output_fd, _READ_BYTES)
+        except BlockingIOError:
+            return False
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._close_output(worker)
+            return False
+        worker.output_bytes += len(chunk)
+        room = _OUTPUT_KEEP_BYTES - len(worker.output)
+        if room > 0:
+            worker.output += chunk[:room]
+        return True
+
+    def _close_output(self, worker: _Worker) -> None:
+        worker.output_fd = None
+        worker.process.stdout.close()
+
+    def _flush_output(self, worker: _Worker) -> None:
+        """Count what the worker printed, and log the start of it if no excerpt was logged
+        in the last minute: a chatty function cannot flood the generator's log."""
+        if not worker.output_bytes:
+            return
+        self.counters["worker_output_bytes"] += worker.output_bytes
+        now = time.monotonic()
+        if now - self._output_logged_at >= _OUTPUT_LOG_INTERVAL_S:
+            self._output_logged_at = now
+            shown = worker.output.decode(errors="replace")
+            more = worker.output_bytes - len(worker.output)
+            log.info(
+                "reward worker %d printed %d bytes%s (one excerpt a minute is logged):\n%s",
+                worker.process.pid,
+                worker.output_bytes,
+                f", {more} not shown" if more else "",
+                shown,
+            )
+        worker.output.clear()
+        worker.output_bytes = 0
 
     def _finish(self, job: _Job, score: Score) -> None:
         if score.error is None:

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from asyncrl.envs import tool_calls
 from asyncrl.envs.loading import PluginError
 from asyncrl.envs.tool_calls import (
+    MAX_JSON_DEPTH,
     HermesToolCallParser,
     ParsedTurn,
     ToolCall,
     ToolCallError,
+    json_depth,
     make_parser,
 )
 
@@ -113,3 +118,63 @@ def test_parsers_plug_in_by_name_or_module_path():
         make_parser("nope")
     with pytest.raises(PluginError, match="no parse"):
         make_parser("json:dumps")
+
+
+def test_json_nested_past_the_limit_is_an_error_message_not_a_recursion_error():
+    deep = "[" * 1000 + "]" * 1000  # 2 KB: json.loads alone raises RecursionError
+    (error,) = parse(f"<tool_call>{deep}</tool_call>").calls
+    assert isinstance(error, ToolCallError)
+    assert f"more than {MAX_JSON_DEPTH} deep" in error.message
+    arguments = json.dumps({"name": "f", "arguments": deep})  # deep JSON inside a string
+    (error,) = parse(f"<tool_call>{arguments}</tool_call>").calls
+    assert f"more than {MAX_JSON_DEPTH} deep" in error.message
+
+
+def _nested_call(depth: int) -> str:
+    """A call whose JSON nests ``depth`` deep, with brackets in a string that do not count."""
+    value: object = 1
+    for _ in range(depth - 2):  # the call's object and its arguments object are two levels
+        value = [value]
+    return json.dumps({"name": "f", "arguments": {"text": "[[[{{{" * 100, "deep": value}})
+
+
+def test_json_up_to_the_limit_is_accepted_and_one_more_level_is_not():
+    (call,) = parse(f"<tool_call>{_nested_call(MAX_JSON_DEPTH)}</tool_call>").calls
+    assert isinstance(call, ToolCall), call
+    assert call.arguments["text"] == "[[[{{{" * 100
+    (error,) = parse(f"<tool_call>{_nested_call(MAX_JSON_DEPTH + 1)}</tool_call>").calls
+    assert isinstance(error, ToolCallError) and "deep" in error.message
+
+
+@pytest.mark.parametrize(
+    ("text", "depth"),
+    [
+        ("", 0),
+        ("42", 0),
+        ('{"a": [1, {"b": []}]}', 4),
+        ('{"a": "[[[\\"[["}', 1),  # brackets and an escaped quote inside a string
+        ('[[["]]]', 3),  # an unclosed string hides the rest
+        ("]]]][", 0),
+        ('"\\', 0),
+    ],
+)
+def test_json_depth_counts_only_structural_brackets(text, depth):
+    assert json_depth(text) == depth
+
+
+def test_a_recursion_error_from_the_decoder_is_reported_too(monkeypatch):
+    monkeypatch.setattr(tool_calls, "MAX_JSON_DEPTH", 10**9)  # only the decoder's own limit
+    deep = "[" * 100_000 + "]" * 100_000
+    (error,) = parse(f"<tool_call>{deep}</tool_call>").calls
+    assert isinstance(error, ToolCallError) and "deep" in error.message
+
+
+@pytest.mark.timeout(10)
+def test_unclosed_tags_parse_in_linear_time():
+    # Each tag used to search the rest of the text for its closing tag: 64k of these
+    # took over half a minute. One pass over the tags takes a fraction of a second.
+    text = '<tool_call>{"name": "f", "arguments": {}}' * 64_000
+    turn = parse(text)
+    assert len(turn.calls) == 64_000
+    assert all("not closed" in call.message for call in turn.errors)
+    assert turn.calls[-1].raw == '{"name": "f", "arguments": {}}'

@@ -1,0 +1,261 @@
+"""Reward workers that misbehave: write to their channel, run out of memory, print a
+flood, get killed or return something that is not a number. Each costs at most the
+sample being scored; every other sample is scored by a fresh worker."""
+
+from __future__ import annotations
+
+import logging
+import struct
+import textwrap
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.rewards import RewardScorer, Score, _decode_reply, _take_frames
+
+ROGUE_FUNCTIONS = """
+import os
+import signal
+from fractions import Fraction
+
+import numpy as np
+
+
+def _write_to_sockets(data):
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                os.write(int(name), data)
+        except OSError:
+            pass
+
+
+def rogue(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str.startswith("channel:"):  # on purpose: whatever socket it can find
+        _write_to_sockets(bytes.fromhex(solution_str.removeprefix("channel:")))
+    if solution_str == "low fds":  # by accident: descriptors it believes are its own
+        for fd in range(3, 64):
+            try:
+                os.write(fd, b"garbage!" * 8)
+            except OSError:
+                pass
+    if solution_str == "8 GiB":
+        return float(len(bytes(8 << 30)) > 0)  # calloc'd, never touched: no real memory
+    if solution_str == "1 GiB":
+        return float(len(bytes(1 << 30)) > 0)
+    if solution_str == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if solution_str == "print 100 MB":
+        print("x" * 100_000_000)
+    if solution_str == "print hello":
+        print("hello")
+    if solution_str.startswith("return "):
+        return eval(solution_str.removeprefix("return "), {"np": np, "Fraction": Fraction})
+    return 1.0
+"""
+
+
+@pytest.fixture(scope="module")
+def rogue(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rewards") / "rogue_rewards.py"
+    path.write_text(textwrap.dedent(ROGUE_FUNCTIONS))
+    return f"{path}:rogue"
+
+
+def _score_all(scorer: RewardScorer, samples: list[tuple], timeout_s: float = 60) -> list[Score]:
+    """``score_many`` that gives up: a scorer stuck for good fails the test, not hangs it."""
+    futures = [scorer.submit(*sample) for sample in samples]
+    return [future.result(timeout=timeout_s) for future in futures]
+
+
+def _score_one(scorer: RewardScorer, solution_str: str) -> Score:
+    return _score_all(scorer, [("x", solution_str, "", None)])[0]
+
+
+def _frame(payload: bytes) -> bytes:
+    return struct.pack("!Q", len(payload)) + payload
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"garbage!" * 4,  # no frame at all
+        _frame(b"hello"),  # a frame that is not JSON
+        _frame(b'["ready"]'),  # a message out of turn
+        _frame(b'[123456, 1.0, null, ""]'),  # a reply for a job it does not have
+        _frame(b'[0, 1.0, "error:made_up", ""]'),  # a tag no worker sends
+        b"abc",  # less than a frame's header
+    ],
+    ids=["raw", "not-json", "ready-again", "wrong-job", "unknown-tag", "short"],
+)
+def test_garbage_on_the_channel_costs_one_sample_and_the_worker(rogue, garbage):
+    with RewardScorer(rogue, timeout_s=10) as scorer:
+        samples = [("x", "ok", "", None), ("x", f"channel:{garbage.hex()}", "", None)]
+        scores = _score_all(scorer, samples + [("x", "ok", "", None)] * 2)
+        assert scores[0] == Score(1.0)
+        assert scores[1][:2] == (0.0, "error:channel")
+        assert scores[2:] == [Score(1.0), Score(1.0)]  # queued behind it: the new worker's
+        assert _score_one(scorer, "ok") == Score(1.0)  # and the scorer goes on
+        assert scorer.counters["error:channel"] == 1
+        assert scorer.counters["errors"] == 1
+        assert scorer.counters["workers_started"] == 2
+
+
+def test_a_partial_frame_does_not_block_the_scorer(rogue):
+    # A header promising more than ever comes: the sample times out, nothing else waits.
+    partial = struct.pack("!Q", 1000) + b"abc"
+    with RewardScorer(rogue, timeout_s=1) as scorer:
+        futures = [scorer.submit("x", f"channel:{partial.hex()}", ""), scorer.submit("x", "ok", "")]
+        stuck, after = (future.result(timeout=30) for future in futures)
+        assert stuck[:2] == (0.0, "error:timeout")
+        assert after == Score(1.0)
+
+
+def test_the_channel_is_out_of_reach_of_writes_to_low_descriptors(rogue):
+    with RewardScorer(rogue, timeout_s=10) as scorer:
+        scores = _score_all(scorer, [("x", "low fds", "", None), ("x", "ok", "", None)])
+        assert scores == [Score(1.0), Score(1.0)]
+        assert scorer.counters["workers_started"] == 1
+
+
+def test_a_function_past_the_memory_limit_fails_and_its_worker_is_replaced(rogue):
+    with RewardScorer(rogue, timeout_s=30) as scorer:  # the default limit: 4096 MiB
+        big, after, later = _score_all(
+            scorer, [("x", "8 GiB", "", None), ("x", "ok", "", None), ("x", "ok", "", None)]
+        )
+        assert big[:2] == (0.0, "error:memory")
+        assert "MemoryError" in big.detail and "memory_limit_mb=4096" in big.detail
+        assert after == later == Score(1.0)
+        assert scorer.counters["error:memory"] == 1
+        assert scorer.counters["workers_started"] == 2
+
+
+def test_the_memory_limit_comes_from_the_config(rogue):
+    config = load_config(
+        None, ["model.tiny={}", f"reward.function={rogue}", "reward.memory_limit_mb=512"]
+    )
+    with RewardScorer.from_config(config.reward) as scorer:
+        assert scorer.memory_limit_mb == 512
+        big, after = _score_all(scorer, [("x", "1 GiB", "", None), ("x", "ok", "", None)])
+        assert big[:2] == (0.0, "error:memory")
+        assert after == Score(1.0)
+
+
+def test_a_killed_worker_names_the_signal(rogue):
+    with RewardScorer(rogue, timeout_s=10) as scorer:
+        killed, after = _score_all(scorer, [("x", "kill", "", None), ("x", "ok", "", None)])
+        assert killed[:2] == (0.0, "error:crashed")
+        assert "SIGKILL" in killed.detail
+        assert after == Score(1.0)
+
+
+def test_worker_output_is_read_off_a_pipe_and_logged_in_short_excerpts(rogue, caplog):
+    caplog.set_level(logging.INFO, logger="asyncrl.rewards")
+    with RewardScorer(rogue, timeout_s=120) as scorer:
+        assert _score_one(scorer, "print 100 MB") == Score(1.0)  # the worker never blocks
+        assert _score_one(scorer, "print hello") == Score(1.0)
+    excerpts = [r.getMessage() for r in caplog.records if "printed" in r.getMessage()]
+    assert len(excerpts) == 1  # the second is counted, not logged: one excerpt a minute
+    assert "xxxxxxxx" in excerpts[0]
+    assert len(excerpts[0]) < 4096
+    assert scorer.counters["worker_output_bytes"] == 100_000_001 + len("hello\n")
+
+
+REWARDS = [
+    ("return 1", 1.0),
+    ("return 0.25", 0.25),
+    ("return -3", -3.0),
+    ("return np.float32(0.5)", 0.5),
+    ("return np.int64(1)", 1.0),
+    ("return Fraction(1, 4)", 0.25),
+    ("return {'score': 0.75, 'acc': True}", 0.75),
+]
+NOT_REWARDS = [
+    "return True",
+    "return np.True_",
+    "return '1.0'",
+    "return None",
+    "return [1.0]",
+    "return np.array([0.5])",
+    "return float('inf')",
+    "return np.float64('nan')",
+    "return {'acc': 1.0}",
+    "return {'score': '1'}",
+    "return 10**400",  # too large for a float
+    "return 10**5000",  # too long even to print
+    "return 'x' * 10**7",
+    "return list(range(10**6))",
+]
+
+
+def test_only_finite_real_numbers_are_rewards(rogue):
+    texts = [text for text, _ in REWARDS] + NOT_REWARDS
+    with RewardScorer(rogue, timeout_s=30) as scorer:
+        scores = dict(
+            zip(texts, _score_all(scorer, [("x", t, "", None) for t in texts]), strict=True)
+        )
+        for text, reward in REWARDS:
+            assert scores[text] == Score(reward), text
+        for text in NOT_REWARDS:
+            assert scores[text][:2] == (0.0, "error:bad_return"), (text, scores[text])
+            assert len(scores[text].detail) <= 600, text  # a huge value is not printed whole
+        assert "xxxx" in scores["return 'x' * 10**7"].detail
+        assert scorer.counters["error:bad_return"] == len(NOT_REWARDS)
+        assert scorer.counters["workers_started"] == 1
+
+
+# --------------------------------------------------------------------------
+# the scorer's checks of what comes off the channel, without a process
+
+
+def test_frames_that_came_before_garbage_are_still_taken():
+    inbox = bytearray(_frame(b'["ready"]') + _frame(b"[]") + b"abc" + bytes(8))
+    frames = _take_frames(inbox)
+    assert next(frames) == b'["ready"]'
+    assert next(frames) == b"[]"
+    with pytest.raises(ValueError, match="replies are at most"):
+        next(frames)
+
+
+def test_a_partial_frame_waits_for_the_rest():
+    inbox = bytearray(_frame(b'["ready"]')[:-2])
+    assert list(_take_frames(inbox)) == []
+    inbox += b'"]'
+    assert list(_take_frames(inbox)) == [b'["ready"]']
+    assert inbox == b""
+
+
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        (b'["ready"]', ["ready"]),
+        (b'["failed", "no module"]', ["failed", "no module"]),
+        (b'[3, 0.5, null, ""]', [3, 0.5, None, ""]),
+        (b'[3, 0.0, "error:exception", "boom"]', [3, 0.0, "error:exception", "boom"]),
+    ],
+)
+def test_well_formed_replies_are_read(payload, message):
+    assert _decode_reply(payload) == message
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        b"hello",
+        b"\xff\xfe",
+        b"{}",
+        b'["ready", 1]',
+        b'["failed"]',
+        b'[true, 0.5, null, ""]',  # a bool for a job id
+        b'[3, 1, null, ""]',  # workers send floats
+        b'[3, NaN, null, ""]',
+        b'[3, 1e999, null, ""]',  # json reads this as inf
+        b'[3, 0.5, "error:made_up", ""]',
+        b"[3, 0.5, null, 7]",
+        b'[3, 0.5, null, "", "more"]',
+    ],
+)
+def test_anything_else_is_refused(payload):
+    with pytest.raises(ValueError):
+        _decode_reply(payload)
