@@ -14,10 +14,18 @@ role        when it exits                      what the launcher does
 generator   any status, while the run goes     restart it after a back-off (1 s,
                                                doubling to 30 s; back to 1 s once it
                                                stayed up 60 s) with ``--restarts N``
+generator   before any progress, 3 times in    stop the run with that line
+            a row, with the same last log line
 learner     status 0                           the run is done
 learner     any other status                   stop the run, show its log's tail
 buffer      any status                         stop the run, show its log's tail
 =========== ================================== =====================================
+
+A process that stays but makes no progress for ``run.stall_timeout_s`` (its
+``RUN_DIR/progress/NAME.json`` stops advancing: :mod:`asyncrl.watchdog`) is
+reported: a generator is killed and restarted as above, the learner or the
+buffer stops the run, with what every process last reported. A run directory
+that cannot be written is refused in a line (status 2) before anything starts.
 
 Every process gets the config the launcher validated, from the launcher's
 memory (``ASYNCRL_CONFIG``, :func:`asyncrl.roles.config_env`), at its first
@@ -54,20 +62,23 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 import psutil
 
 from asyncrl.config import Config, save_config
-from asyncrl.console import ReplicaHealth, RunConsole, open_console
+from asyncrl.console import ReplicaHealth, RunConsole, figure, open_console
 from asyncrl.learner.final_eval import FINAL_EVAL
 from asyncrl.paths import latest_checkpoint, replica_name
+from asyncrl.progress import PROGRESS_DIR
 from asyncrl.roles import LEARNER_STORE_ENV, config_env
 from asyncrl.security import provision_run_secret, resolve_keys
 from asyncrl.transport import free_port
+from asyncrl.watchdog import RESTART_MARK, Stall, StartFailures, Watchdog, failure_line
 
 TICK_S = 0.2
 """How often the launcher looks at its processes and at ``metrics.jsonl``."""
@@ -111,12 +122,35 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 def make_run_dir(config: Config, run_dir: Path | None) -> Path:
+    """Create the run directory; OSError naming the directory if it cannot be written."""
     if run_dir is None:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         run_dir = Path(config.run.output_dir) / f"{config.run.name}-{stamp}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(exist_ok=True)
+    for directory in (run_dir, run_dir / "logs", run_dir / PROGRESS_DIR):
+        directory.mkdir(exist_ok=True)
+        _check_writable(directory)
     return run_dir
+
+
+def _check_writable(directory: Path) -> None:
+    """Create and remove a file in ``directory``: an existing directory may still refuse
+    the logs and checkpoints (read-only, another user's), and should do so now."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, str(directory)) from None
+
+
+def unwritable(error: OSError) -> int:
+    """Say in one line which path of the run directory cannot be written; status 2."""
+    where = f" {error.filename}" if error.filename else ""
+    _stderr(
+        f"asyncrl: cannot write the run directory{where}: {error.strerror or error} "
+        "(choose another with --run-dir or run.output_dir)"
+    )
+    return 2
 
 
 def resolve_ports(config: Config) -> Config:
@@ -145,6 +179,10 @@ class Replica:
     """``time.monotonic()`` at which to start it again; None while it runs."""
     backoff_s: float = BACKOFF_FIRST_S
     """The wait before its next restart."""
+    failures: StartFailures = field(default_factory=StartFailures)
+    """Its exits before making any progress, in a row (the run stops at the limit)."""
+    stall: Stall | None = None
+    """Why the watchdog killed its process, until that exit is handled."""
 
     def role_args(self) -> list[str]:
         """``--index``, ``--pool`` and, once restarted, ``--restarts`` for ``asyncrl.roles``."""
@@ -153,8 +191,23 @@ class Replica:
 
     def mark_restart(self, log_path: Path) -> None:
         """Separate the restarted process's output from the last one's in its log."""
-        with log_path.open("a") as log_file:
-            log_file.write(f"---- asyncrl launch: restart {self.restarts} ----\n")
+        with contextlib.suppress(OSError), log_path.open("a") as log_file:
+            log_file.write(f"{RESTART_MARK} {self.restarts} ----\n")
+
+    def exited(self, made_progress: bool | None, uptime_s: float, line: str) -> bool:
+        """Count an exit; True when the run should stop: the same ``line`` ended
+        :data:`~asyncrl.watchdog.START_FAILURES` starts in a row that made no progress.
+
+        Without a progress report (``made_progress`` None) a process that stayed up
+        :data:`STABLE_AFTER_S` counts as having made progress. A process the watchdog
+        killed failed with its stall (:meth:`~asyncrl.watchdog.Stall.reason`).
+        """
+        if self.stall is not None:
+            made_progress, line = not self.stall.starting, self.stall.reason()
+            self.stall = None
+        if made_progress is None:
+            made_progress = uptime_s >= STABLE_AFTER_S
+        return self.failures.record(made_progress, line)
 
     def schedule_restart(self, now: float) -> float:
         """Set :attr:`restart_at` after the back-off; returns the wait in seconds.
@@ -219,6 +272,8 @@ class Supervisor:
         """Added to every child's environment: the config from memory (``ASYNCRL_CONFIG``)."""
         self.store_dir: Path | None = None
         """The private directory of the learner ranks' file store (more than one rank)."""
+        self.watchdog = Watchdog(run_dir, config.run.stall_timeout_s, notify)
+        """Which process made no progress for ``run.stall_timeout_s`` (:mod:`asyncrl.watchdog`)."""
 
     # ------------------------------------------------------------------ start
 
@@ -228,6 +283,7 @@ class Supervisor:
         command = [sys.executable, "-m", "asyncrl.roles", role, str(self.run_dir), *extra]
         if ranks == 1:
             self.processes[name] = self._spawn(name, command)
+            self._watch(name, role)
             return
         group = {
             "WORLD_SIZE": str(ranks),
@@ -242,6 +298,15 @@ class Supervisor:
                 for rank in range(ranks)
             ]
         )
+        self._watch(name, role)
+
+    def _watch(self, name: str, role: str) -> None:
+        """Have the watchdog follow ``name``'s process, or each rank (``learner-R``)."""
+        processes = members(self.processes[name])
+        for rank, process in enumerate(processes):
+            label = name if len(processes) == 1 else f"{name}-{rank}"
+            alive = process.poll  # None while it runs
+            self.watchdog.watch(label, role, process.pid, alive=lambda poll=alive: poll() is None)
 
     def _spawn(
         self, name: str, command: list[str], env: dict[str, str] | None = None
@@ -276,12 +341,27 @@ class Supervisor:
                 self.replicas[replica.name] = replica
                 self._start_generator(replica)
 
-    def _start_generator(self, replica: Replica) -> None:
-        if replica.restarts:
-            replica.mark_restart(self.log_path(replica.name))
-        self.start(replica.name, "generator", *replica.role_args())
+    def _start_generator(self, replica: Replica) -> str | None:
+        """Start ``replica``'s process; a failure message if the run should stop."""
         replica.started_at = time.monotonic()
         replica.restart_at = None
+        if not replica.restarts:
+            self.start(replica.name, "generator", *replica.role_args())
+            return None
+        replica.mark_restart(self.log_path(replica.name))
+        try:
+            self.start(replica.name, "generator", *replica.role_args())
+        except OSError as error:  # no log file, no process: a start that failed
+            return self._failed_start(replica, f"could not be started: {error}")
+        self.notify(f"asyncrl: {replica.name} started again (restart {replica.restarts})")
+        return None
+
+    def _failed_start(self, replica: Replica, why: str) -> str | None:
+        if replica.exited(False, 0.0, why):
+            return f"{replica.name} {replica.failures.describe()}"
+        delay = replica.schedule_restart(time.monotonic())
+        self.notify(f"asyncrl: {replica.name} {why}; trying again in {delay:.0f}s")
+        return None
 
     # -------------------------------------------------------------- supervise
 
@@ -303,26 +383,57 @@ class Supervisor:
             )
         return None
 
-    def restart_generators(self) -> None:
-        """Schedule a restart for each generator that exited; start those whose wait is over."""
+    def restart_generators(self) -> str | None:
+        """Schedule a restart for each generator that exited; start those whose wait is over.
+        A failure message once one failed the same way at every start (:meth:`Replica.exited`)."""
         now = time.monotonic()
         for replica in self.replicas.values():
             code = self.processes[replica.name].poll()
+            failure = None
             if replica.restart_at is None and code is not None:
-                self._schedule_restart(replica, code, now)
+                failure = self._schedule_restart(replica, code, now)
             elif replica.restart_at is not None and now >= replica.restart_at:
                 replica.restarts += 1
-                self._start_generator(replica)
-                self.notify(f"asyncrl: {replica.name} started again (restart {replica.restarts})")
+                failure = self._start_generator(replica)
+            if failure is not None:
+                return failure
+        return None
 
-    def _schedule_restart(self, replica: Replica, code: int, now: float) -> None:
+    def _schedule_restart(self, replica: Replica, code: int, now: float) -> str | None:
         uptime = now - replica.started_at
+        made_progress = self.watchdog.made_progress(replica.name)
+        self.watchdog.forget(replica.name)
+        line = failure_line(self.log_path(replica.name), f"exit status {code}")
+        if replica.exited(made_progress, uptime, line):
+            return (
+                f"{replica.name} {replica.failures.describe()}; last lines of "
+                f"{self.log_path(replica.name)}:\n{self.log_tail(replica.name)}"
+                + self.watchdog.others(replica.name)
+            )
         delay = replica.schedule_restart(now)
         self.notify(
             f"asyncrl: {replica.name} exited with status {code} after {uptime:.1f}s; "
             f"restarting it in {delay:.0f}s; last lines of {self.log_path(replica.name)}:\n"
             f"{self.log_tail(replica.name, 3)}"
         )
+        return None
+
+    def check_progress(self) -> str | None:
+        """Act on the watchdog: a stalled learner or buffer stops the run (the message),
+        a stalled generator is killed, and restarted as any generator that exits."""
+        if any(replica.restart_at is not None for replica in self.replicas.values()):
+            self.watchdog.generators_restarting()  # the learner's batch waits on it
+        stalls = self.watchdog.check()  # the learner's or buffer's first: a generator
+        for stall in sorted(stalls, key=lambda s: s.role == "generator"):  # may wait on it
+            replica = self.replicas.get(stall.name)
+            if replica is None:
+                return stall.describe() + self.watchdog.others(stall.name)
+            if replica.stall is None and replica.restart_at is None:
+                replica.stall = stall
+                process = self.processes[replica.name]
+                self.notify(f"asyncrl: {stall.describe()}; killing it (pid {process.pid})")
+                _kill_tree(process)
+        return None
 
     def health(self) -> list[ReplicaHealth]:
         def state(replica: Replica) -> str:
@@ -336,7 +447,10 @@ class Supervisor:
         return self.run_dir / "logs" / f"{name}.log"
 
     def log_tail(self, name: str, lines: int = LOG_TAIL_LINES) -> str:
-        text = self.log_path(name).read_text(errors="replace")
+        try:
+            text = self.log_path(name).read_text(errors="replace")
+        except OSError as error:  # removed under the run: say so, go on supervising
+            return f"    (cannot read it: {error.strerror or error})"
         return "\n".join("    " + line for line in text.splitlines()[-lines:])
 
     # ------------------------------------------------------------------- stop
@@ -366,6 +480,7 @@ class Supervisor:
             ]
             for process in running:
                 process.send_signal(signal.SIGTERM)
+                process.send_signal(signal.SIGCONT)  # a stopped one (SIGSTOP) handles it too
             _wait_all(running, started + by_s, hurry)
         for process in self.all_processes():
             if process.poll() is None:
@@ -400,6 +515,17 @@ def _kill_all(processes: list[psutil.Process]) -> None:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()  # psutil checks that the pid still names the same process
     psutil.wait_procs(processes, timeout=2)
+
+
+def _kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL ``process`` (a child not yet reaped: its pid is still its own) and every
+    process under it (psutil checks each pid still names the same process)."""
+    descendants: list[psutil.Process] = []
+    with contextlib.suppress(psutil.Error):
+        descendants = psutil.Process(process.pid).children(recursive=True)
+    with contextlib.suppress(OSError):
+        process.kill()
+    _kill_all(descendants)
 
 
 def _kill_orphans() -> None:
@@ -448,9 +574,11 @@ class StopSignals:
 def supervise(supervisor: Supervisor, console: RunConsole) -> str | None:
     """Watch the run until the learner is done; the failure message if a process failed."""
     while not supervisor.learner_finished():
-        if (failure := supervisor.failure()) is not None:
+        failure = (
+            supervisor.failure() or supervisor.restart_generators() or supervisor.check_progress()
+        )
+        if failure is not None:
             return failure
-        supervisor.restart_generators()
         console.update(supervisor.health())
         time.sleep(TICK_S)
     return supervisor.failure()
@@ -479,14 +607,20 @@ def launch(
     from asyncrl.preflight import preflight
 
     preflight(config)  # data, reward function, environment, machine: PreflightError
-    run_dir = make_run_dir(config, run_dir)
-    config = provision_run_secret(config, run_dir)
+    try:  # an unwritable run directory is said in a line, before anything starts
+        run_dir = make_run_dir(config, run_dir)
+        config = provision_run_secret(config, run_dir)
+    except OSError as error:
+        return unwritable(error)
     if config.cluster.backend == "ray":  # the roles as Ray actors (docs/ray.md)
         from asyncrl.ray_cluster import launch_ray
 
         return launch_ray(config, run_dir, resume_from, quiet)
     config = resolve_ports(config)
-    save_config(config, run_dir / "config.yaml")
+    try:
+        save_config(config, run_dir / "config.yaml")
+    except OSError as error:
+        return unwritable(error)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     started = time.time()
     steps_done = int(resume_from.name.removeprefix("step-")) if resume_from else 0
@@ -507,6 +641,9 @@ def launch(
                     error=True,
                 )
                 failure, status = None, 128 + interrupt.signum
+            except Exception as error:  # the launcher's own fault: stop every process, say so
+                console.note(traceback.format_exc().rstrip(), error=True)
+                failure, status = f"the launcher failed while supervising: {error!r}", 1
             finally:
                 signals.stopping = True  # from here a signal only hurries the stop
                 supervisor.stop_all(hurry=signals.hurry)
@@ -552,9 +689,11 @@ def final_eval_text(run_dir: Path) -> str:
         record = json.loads((run_dir / "final" / FINAL_EVAL).read_text())
     except (OSError, ValueError):
         return ""
+    if not isinstance(record, dict):
+        return ""
     if record.get("eval_reward_mean") is not None:
         return (
-            f"; final eval reward {record['eval_reward_mean']:.3f} "
-            f"over {record['eval_samples']:.0f} held-out samples"
+            f"; final eval reward {figure(record, 'eval_reward_mean', '.3f')} "
+            f"over {figure(record, 'eval_samples', '.0f')} held-out samples"
         )
     return f"; no final eval ({record.get('skipped') or 'no reward'})"

@@ -26,8 +26,12 @@ and shuts it down at the end. Then:
    waits for the learner. A generator replica whose actor dies or whose role
    stops gets a new actor after the local launcher's back-off, with
    ``--restarts N`` (:class:`asyncrl.launch.Replica`); the buffer or a learner
-   rank stopping fails the run at once, naming the actor. At the end (or on
-   Ctrl-C) every role gets SIGTERM, then every actor is killed.
+   rank stopping fails the run at once, naming the actor. As under the local
+   launcher, a generator failing the same way at every start fails the run, and
+   the watchdog (:mod:`asyncrl.watchdog`) reads each actor's progress report in
+   ``RUN_DIR/progress/``: a stalled generator's actor is killed and replaced, a
+   stalled buffer or learner rank fails the run. At the end (or on Ctrl-C)
+   every role gets SIGTERM, then every actor is killed.
 
 RUN_DIR must be one shared filesystem path on every node (config, logs,
 metrics, checkpoints); see docs/ray.md.
@@ -43,6 +47,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,6 +57,7 @@ from asyncrl.launch import Replica, closing_message, stop_phases, wrote_final_po
 from asyncrl.paths import replica_name
 from asyncrl.ray_actors import RoleActor, terminate
 from asyncrl.roles import LEARNER_STORE_ENV, config_env
+from asyncrl.watchdog import Watchdog, failure_line
 
 if TYPE_CHECKING:
     from asyncrl.console import ReplicaHealth, RunConsole
@@ -249,6 +255,9 @@ def launch_ray(
                 except Stopping as stopping:
                     console.note(f"asyncrl: {stopping}: stopping every actor", error=True)
                     status = 128 + stopping.signum
+                except Exception as error:  # the driver's own fault: stop every actor, say so
+                    console.note(traceback.format_exc().rstrip(), error=True)
+                    failure, status = f"the launcher failed while supervising: {error!r}", 1
                 finally:
                     run.stop()
             console.update(run.health())  # the steps logged while stopping
@@ -372,6 +381,10 @@ class RayRun:
         """``RoleActor`` as a Ray actor class."""
         self.store_dir: Path | None = None
         """The private directory of the learner ranks' file store (a local Ray, > 1 rank)."""
+        self.watchdog = Watchdog(run_dir, config.run.stall_timeout_s)
+        """Which role made no progress for ``run.stall_timeout_s`` (:mod:`asyncrl.watchdog`)."""
+        self.driver_node: str | None = None
+        """This driver's Ray node: its actors' progress reports are in this run directory."""
 
     # ---- start
 
@@ -389,10 +402,19 @@ class RayRun:
 
     def run_roles(self) -> None:
         """Start every actor's role; a generator's uptime counts from here."""
+        with contextlib.suppress(Exception):  # a scripted Ray in tests has no context
+            self.driver_node = self.ray.get_runtime_context().get_node_id()
         for member in self.members:
             member.ref = member.actor.run.remote(member.argv, member.env)
+            self.watch(member)
             if member.replica is not None:
                 member.replica.started_at = time.monotonic()
+
+    def watch(self, member: Member) -> None:
+        """Have the watchdog follow ``member``'s actor process (its role runs in it)."""
+        info = member.info or {}
+        local = self.driver_node is None or info.get("node_id") in (None, self.driver_node)
+        self.watchdog.watch(member.name, member.role, info.get("pid"), local=local)
 
     def placement(self) -> str:
         """Which actors each node got: ``node IP (id): names; ...``."""
@@ -532,21 +554,27 @@ class RayRun:
     def supervise(self, console: RunConsole) -> str | None:
         """Watch until every learner rank is done, replacing generators that stop;
         a failure message if the buffer or a learner rank failed."""
+        self.watchdog.notify = lambda text: console.note(text, True)
         while any(m.name not in self.stopped for m in self.learners()):
             self.requests.check()
             self.restart_due()
+            if (failure := self.check_progress(console)) is not None:
+                return failure
             console.update(self.health())
             running = {m.ref: m for m in self.members if m.ref is not None}
             starting = {m.starting: m for m in self.members if m.starting is not None}
             done, _ = self.ray.wait([*running, *starting], num_returns=1, timeout=TICK_S)
             for ref in done:
                 if ref in starting:
-                    self.started_again(starting[ref], console)
+                    if (failure := self.started_again(starting[ref], console)) is not None:
+                        return failure
                     continue
                 member = running[ref]
                 error = self.error_of(ref)
                 if member.replica is not None:
-                    self.replace_later(member, error or "its role returned", console)
+                    failure = self.replace_later(member, error or "its role returned", console)
+                    if failure is not None:
+                        return failure
                     continue
                 member.ref = None
                 self.stopped.add(member.name)
@@ -556,18 +584,49 @@ class RayRun:
                     return self.describe(member, "stopped before the learner finished")
         return None
 
-    def replace_later(self, member: Member, why: str, console: RunConsole) -> None:
+    def replace_later(self, member: Member, why: str, console: RunConsole) -> str | None:
         """``member``'s generator stopped: free its actor, schedule a new one after the
-        back-off (:meth:`asyncrl.launch.Replica.schedule_restart`)."""
+        back-off (:meth:`asyncrl.launch.Replica.schedule_restart`); a failure message
+        instead once it failed the same way at every start (``Replica.exited``)."""
         replica = member.replica
         now = time.monotonic()
         uptime = now - replica.started_at
-        delay = replica.schedule_restart(now)
-        stopped = f"stopped after {uptime:.1f}s ({why.rstrip('.')}); restarting it in {delay:.0f}s"
-        console.note(f"asyncrl: {self.describe(member, stopped, RESTART_TAIL_LINES)}", True)
+        made_progress = self.watchdog.made_progress(member.name)
+        self.watchdog.forget(member.name)
+        line = failure_line(self.log_path(member), why.rstrip("."))
+        failure = None
+        if replica.exited(made_progress, uptime, line):
+            failure = self.describe(member, replica.failures.describe())
+            failure += self.watchdog.others(member.name, "actors")
+        else:
+            delay = replica.schedule_restart(now)
+            stopped = (
+                f"stopped after {uptime:.1f}s ({why.rstrip('.')}); restarting it in {delay:.0f}s"
+            )
+            console.note(f"asyncrl: {self.describe(member, stopped, RESTART_TAIL_LINES)}", True)
         with contextlib.suppress(Exception):
             self.ray.kill(member.actor)  # a role that returned leaves its actor alive
         member.actor = member.ref = member.starting = member.info = None
+        return failure
+
+    def check_progress(self, console: RunConsole) -> str | None:
+        """Act on the watchdog: a stalled buffer or learner rank fails the run (the
+        message); a stalled generator's actor is killed, and replaced as any that stops."""
+        if any(self.restarting(m) for m in self.members):
+            self.watchdog.generators_restarting()  # the learner's batch waits on it
+        stalls = self.watchdog.check()  # the learner's or buffer's first: a generator
+        for stall in sorted(stalls, key=lambda s: s.role == "generator"):  # may wait on it
+            member = next((m for m in self.members if m.name == stall.name), None)
+            if member is None:
+                continue
+            if member.replica is None:
+                return stall.describe() + self.watchdog.others(stall.name, "actors")
+            if member.replica.stall is None and member.actor is not None:
+                member.replica.stall = stall
+                console.note(f"asyncrl: {stall.describe()}; killing its actor", True)
+                with contextlib.suppress(Exception):
+                    self.ray.kill(member.actor)  # its role's task then fails: replaced
+        return None
 
     def restart_due(self) -> None:
         """Create the new actor of each generator whose back-off is over."""
@@ -584,19 +643,28 @@ class RayRun:
             member.starting = self.new_actor(member)
             replica.started_at = time.monotonic()  # a new actor that fails to start counts
 
-    def started_again(self, member: Member, console: RunConsole) -> None:
+    def started_again(self, member: Member, console: RunConsole) -> str | None:
         """A generator's new actor is placed: run its role (or try again if it failed)."""
         ref, member.starting = member.starting, None
         if (error := self.error_of(ref)) is not None:
-            self.replace_later(member, f"its new actor could not start: {error}", console)
-            return
+            return self.replace_later(member, f"its new actor could not start: {error}", console)
         member.info = self.ray.get(ref)
         member.ref = member.actor.run.remote(member.argv, member.env)
+        self.watch(member)
         member.replica.started_at = time.monotonic()
         console.note(
             f"asyncrl: {member.name} started again (restart {member.replica.restarts}) "
             f"on {member.info['ip']}",
             True,
+        )
+        return None
+
+    @staticmethod
+    def restarting(member: Member) -> bool:
+        """A generator waiting out its back-off, or for Ray to place its new actor."""
+        replica = member.replica
+        return replica is not None and (
+            replica.restart_at is not None or member.starting is not None
         )
 
     def health(self) -> list[ReplicaHealth]:
@@ -605,7 +673,7 @@ class RayRun:
         def state(member: Member) -> str:
             if member.name in self.stopped:
                 return "stopped"
-            if member.replica.restart_at is not None or member.starting is not None:
+            if self.restarting(member):
                 return "restarting"
             return "alive"
 
@@ -636,7 +704,7 @@ class RayRun:
         where = f" on {member.info['ip']}" if member.info else ""
         log_path = self.log_path(member)
         message = f"actor {member.name}{where}: {why}"
-        if log_path.exists():
+        with contextlib.suppress(OSError):  # none on this node, or removed: no tail
             text = log_path.read_text(errors="replace").splitlines()[-lines:]
             tail = "\n".join("    " + line for line in text)
             message += f"; last lines of {log_path}:\n{tail}"

@@ -8,6 +8,9 @@ ports included. A generator the launcher restarts gets that same config again:
 read back by a process the launcher starts, so whoever can write that file
 cannot change what a restarted role runs (a ``reward.function`` of theirs, say).
 Only a role started by hand, without the variable, reads ``RUN_DIR/config.yaml``.
+
+Each role reports what it is doing in ``RUN_DIR/progress/NAME.json`` from its
+start (:mod:`asyncrl.progress`), for the launcher's watchdog.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from asyncrl import progress
 from asyncrl.config import Config, config_from_dict
 from asyncrl.paths import replica_name
 
@@ -84,6 +88,7 @@ def main(argv: list[str] | None = None) -> str:
         level=os.environ.get("ASYNCRL_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
     )
+    progress.start(args.run_dir, name, args.role)  # "starting" until its main loop runs
     config = read_config(args.run_dir)
     if args.role == "buffer":
         from asyncrl.buffer.service import run

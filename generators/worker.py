@@ -47,6 +47,7 @@ import numpy as np
 import torch
 import zmq
 
+from asyncrl import progress
 from asyncrl.config import Config
 from asyncrl.envs.formatting import TemplateFormatError, TemplateFormatter, build_formatter
 from asyncrl.generators.backend import Backend, Rollout, build_backend
@@ -148,6 +149,7 @@ class GeneratorReplica:
                     self.send([], wait_s=pause_s)
                 else:
                     time.sleep(pause_s)
+                progress.beat("waiting for work", detail=self._progress_detail)  # a turn
                 continue
             busy_from = time.monotonic()
             self.sync_weights()
@@ -167,6 +169,10 @@ class GeneratorReplica:
                     finished.append(rollout)
             if finished or self.scoring:
                 self.send(finished)
+            progress.beat("generating", detail=self._progress_detail)  # a chunk made
+
+    def _progress_detail(self) -> str:
+        return f"{len(self.active)} rollouts, {self.stats['samples_sent']} samples sent"
 
     def collect_episodes(self) -> None:
         """Episodes the environment has answered go back to generation or out as samples."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import signal
 import subprocess
 import sys
@@ -60,3 +62,82 @@ def test_a_slow_final_checkpoint_is_waited_for_only_as_long_as_configured(
         if learner.poll() is None:
             learner.kill()
             learner.wait()
+
+
+# -------------------------------------------- a run directory that cannot be written
+
+
+@pytest.mark.parametrize(
+    ("where", "said"),
+    [
+        (lambda tmp: ["--run-dir", "/proc/asyncrl-no-such-dir"], "/proc/asyncrl-no-such-dir"),
+        (lambda tmp: ["--run-dir", "/proc/self"], "/proc/self"),  # there, and read-only
+        (lambda tmp: ["--run-dir", str(tmp / "a-file" / "run")], "a-file/run: Not a directory"),
+        (lambda tmp: [f"run.output_dir={tmp / 'a-file' / 'runs'}"], "a-file/runs/quickstart-"),
+    ],
+    ids=["cannot-create", "read-only", "under-a-file", "output-dir"],
+)
+def test_an_unwritable_run_directory_is_one_line_and_status_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture, where, said: str
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    arguments = where(tmp_path)
+    overrides = [a for a in arguments if "=" in a]
+    run_dir = Path(arguments[1]) if arguments[0] == "--run-dir" else None
+    assert launch.launch(config(*overrides), run_dir, quiet=True) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("asyncrl: cannot write the run directory ")
+    assert said in line and line.endswith("(choose another with --run-dir or run.output_dir)")
+
+
+class RecordingConsole:
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+
+    def note(self, message: str, error: bool = False) -> None:
+        self.notes.append(message)
+
+    def update(self, health: list) -> None:
+        pass
+
+
+def test_a_fault_of_the_launcher_while_supervising_stops_the_run_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No process is started: the supervision's first tick raises (a bug, a full disk)."""
+
+    def broken(supervisor, console):
+        raise RuntimeError("a tick went wrong")
+
+    console, stopped = RecordingConsole(), []
+    monkeypatch.setattr(launch, "open_console", lambda *args: contextlib.nullcontext(console))
+    monkeypatch.setattr(launch, "_prctl", lambda option, value: None)  # not on pytest
+    monkeypatch.setattr(launch, "_kill_orphans", lambda: None)  # pytest's children are not ours
+    monkeypatch.setattr(Supervisor, "start_all", lambda self, resume_from=None: None)
+    monkeypatch.setattr(Supervisor, "stop_all", lambda self, hurry: stopped.append(True))
+    monkeypatch.setattr(launch, "supervise", broken)
+    assert launch.launch(config(), tmp_path / "run", quiet=True) == 1
+    assert stopped == [True]
+    trace, closing = console.notes[-2:]
+    assert 'raise RuntimeError("a tick went wrong")' in trace  # the traceback, for a bug report
+    assert closing.startswith(
+        "asyncrl: run failed: the launcher failed while supervising: "
+        "RuntimeError('a tick went wrong')"
+    )
+
+
+@pytest.mark.parametrize(
+    ("record", "shown"),
+    [
+        ({"eval_reward_mean": 0.5, "eval_samples": 128}, "; final eval reward 0.500 over 128"),
+        ({"eval_reward_mean": "0.5", "eval_samples": None}, "; final eval reward — over —"),
+        ({"eval_reward_mean": float("nan"), "eval_samples": 4}, "; final eval reward nan over 4"),
+        ([1, 2], ""),
+    ],
+)
+def test_the_closing_line_shows_any_final_eval_record_without_raising(tmp_path, record, shown):
+    from asyncrl.launch import final_eval_text
+
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "eval.json").write_text(json.dumps(record))
+    assert final_eval_text(tmp_path).startswith(shown)
