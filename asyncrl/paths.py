@@ -9,6 +9,9 @@ CHECKPOINTS = "checkpoints"
 BUFFER_STATE = "buffer.json"
 COMPLETE = "COMPLETE"
 """Written last into a checkpoint directory; one without it (a crash mid-save) is ignored."""
+TRAINED_GROUPS = "trained_groups.jsonl"
+"""One line per learner step: ``{"step": 4, "version": 5, "group_ids": [...]}`` (steps as in
+metrics.jsonl). After a resume, the last line of a step is the one that counts."""
 _STEP = re.compile(r"^step-(\d+)$")
 
 
@@ -17,14 +20,28 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / CHECKPOINTS / f"step-{step:06d}"
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run, or None."""
-    candidates = [
+def checkpoint_step(path: Path) -> int | None:
+    """The step of a checkpoint directory named ``step-NNNNNN``; None for any other name."""
+    match = _STEP.match(path.name)
+    return int(match[1]) if match else None
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """A run's complete checkpoints, oldest first."""
+    complete = [
         path
         for path in (run_dir / CHECKPOINTS).glob("step-*")
-        if _STEP.match(path.name) and (path / COMPLETE).exists()
+        if checkpoint_step(path) is not None and (path / COMPLETE).exists()
     ]
-    return max(candidates, key=lambda path: int(_STEP.match(path.name)[1]), default=None)
+    return sorted(complete, key=checkpoint_step)
+
+
+def latest_checkpoint(run_dir: Path, before: int | None = None) -> Path | None:
+    """The newest complete checkpoint of a run (of a step below ``before``, if given), or None."""
+    complete = complete_checkpoints(run_dir)
+    if before is not None:
+        complete = [path for path in complete if checkpoint_step(path) < before]
+    return complete[-1] if complete else None
 
 
 def replica_name(pool: str, index: int) -> str:

@@ -15,13 +15,27 @@ A checkpoint is a directory ``RUN_DIR/checkpoints/step-000040`` holding:
 A learner whose parameters or optimizer state hold a NaN or an infinity
 writes no checkpoint (:func:`save` returns False and logs which tensors): a
 resumed run must never start from a poisoned state, so the newest complete
-checkpoint stays the last good one.
+checkpoint stays the last good one. One that cannot be written (a full disk)
+raises :class:`CheckpointWriteError`, one line naming the directory and the
+error, after rank 0 removed the partial directory (it frees the space it took).
+
+When the buffer cannot write its part (it died, or refused), rank 0 writes
+``buffer.json`` itself (:func:`complete_without_buffer`): the newest earlier
+complete checkpoint's part (a fresh start's if there is none) plus
+``trained_since``, every group trained after that state up to this step (from
+``trained_groups.jsonl``), which the resumed buffer never hands out again, and
+``"written_by": "learner"``. So the learner's own state is never lost to a dead
+peer: a stop still leaves a complete checkpoint of its last step.
+
+With ``learner.keep_checkpoints`` N, rank 0 deletes all but the newest N
+complete checkpoints each time one is marked complete (:func:`prune`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,15 +43,38 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from asyncrl.paths import COMPLETE
+from asyncrl.paths import (
+    BUFFER_STATE,
+    COMPLETE,
+    TRAINED_GROUPS,
+    checkpoint_step,
+    complete_checkpoints,
+    latest_checkpoint,
+)
 
 log = logging.getLogger("asyncrl.learner")
 TRAINER_STATE = "trainer.json"
 NAMES_LOGGED = 5
 """Non-finite tensors named in the refusal, at most."""
+WRITTEN_BY_LEARNER = "learner"
+"""``written_by`` of a ``buffer.json`` the learner wrote in the buffer's stead."""
+
+
+class CheckpointWriteError(Exception):
+    """A checkpoint's files (or the final policy's) could not be written (a full disk);
+    the message is one line."""
+
+    def __init__(self, path: Path, error: BaseException, what: str = "checkpoint"):
+        super().__init__(f"cannot write {what} {path}: {_reason(error)}; the learner stops")
+        self.path = path
+
+
+class ReconstructionError(Exception):
+    """The buffer's part of a checkpoint cannot be rebuilt from what the learner kept."""
 
 
 def save(
@@ -69,13 +106,39 @@ def save(
     if rank == 0 and path.exists():
         shutil.rmtree(path)  # an incomplete leftover of the same step
     dist.barrier()
+    try:
+        _write(path, model, optimizer, trainer_state, rank)
+    except (OSError, CheckpointException) as error:
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)  # never usable; give its space back
+        raise CheckpointWriteError(path, error) from error
+    dist.barrier()
+    return True
+
+
+def _write(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict,
+    rank: int,
+) -> None:
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
     torch.save(_rng_state(), path / f"rng-{rank}.pt")
     if rank == 0:
         (path / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
-    dist.barrier()
-    return True
+
+
+def _reason(error: BaseException) -> str:
+    """One line: an OSError's own words, or the first rank's failure inside DCP's error."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (inner, _) = min(error.failures.items())
+        return f"rank {rank}: {_reason(inner)}"
+    if isinstance(error, OSError) and error.strerror:
+        where = f" ({error.filename})" if error.filename else ""
+        return f"{error.strerror} (errno {error.errno}){where}"
+    return " ".join(f"{type(error).__name__}: {error}".split())
 
 
 def mark_complete(path: Path) -> None:
@@ -83,7 +146,150 @@ def mark_complete(path: Path) -> None:
     that returned True."""
     if not (path / TRAINER_STATE).exists():
         raise RuntimeError(f"{path} was not saved (no {TRAINER_STATE}): not marking it complete")
-    (path / COMPLETE).touch()
+    try:
+        (path / COMPLETE).touch()
+    except OSError as error:
+        raise CheckpointWriteError(path, error) from error
+
+
+def complete_without_buffer(run_dir: Path, path: Path, step: int, reason: str) -> bool:
+    """Rank 0, when the buffer did not write its part of checkpoint ``path`` (``reason``):
+    write ``buffer.json`` in its stead and say so; False (logged) if that cannot be done,
+    and the checkpoint must stay incomplete."""
+    if (path / BUFFER_STATE).exists():  # written (atomically) after the save began
+        log.warning("checkpoint %s: %s, but the buffer had written its part", path.name, reason)
+        return True
+    try:
+        state, base = reconstruct_buffer_state(run_dir, step)
+        write_buffer_state(path, state)
+    except (ReconstructionError, OSError, ValueError, TypeError) as error:
+        log.error(
+            "checkpoint %s is not complete: %s, and the learner could not write the buffer's "
+            "part instead (%s)",
+            path.name,
+            reason,
+            error,
+        )
+        return False
+    log.warning(
+        "checkpoint %s: %s; the buffer's part was reconstructed by the learner from %s "
+        "and the %d groups trained since (buffer.json, written_by: learner)",
+        path.name,
+        reason,
+        base.name if base else "a fresh start",
+        len(state["trained_since"]),
+    )
+    return True
+
+
+def reconstruct_buffer_state(run_dir: Path, step: int) -> tuple[dict, Path | None]:
+    """The buffer's part of checkpoint ``step``, rebuilt without the buffer, and the
+    checkpoint it was rebuilt from (None: a fresh start).
+
+    The newest earlier complete checkpoint's ``buffer.json`` (a fresh start's state if
+    there is none) at policy version ``step``, plus ``trained_since``: every group
+    trained from that checkpoint's step up to ``step`` (its own ``trained_since``
+    included), so the resumed buffer neither hands one out again nor skips a prompt.
+    ReconstructionError if a step in between has no line in ``trained_groups.jsonl``
+    (its groups would be trained twice).
+    """
+    base = latest_checkpoint(run_dir, before=step)
+    since = 0 if base is None else checkpoint_step(base)
+    state = fresh_buffer_state(step) if base is None else _read_state(base / BUFFER_STATE)
+    trained = trained_groups_by_step(run_dir / TRAINED_GROUPS)
+    missing = [s for s in range(since, step) if s not in trained]
+    if missing:
+        raise ReconstructionError(
+            f"{TRAINED_GROUPS} has no line for step(s) {_spans(missing)}, trained after "
+            f"{base.name if base else 'the start'}"
+        )
+    groups = set(state.get("trained_since", []))
+    for trained_step in range(since, step):
+        groups.update(trained[trained_step])
+    version = max(state.get("policy_version", 0), step)  # the learner is at ``step`` now
+    state |= {"policy_version": version, "trained_since": sorted(groups)}
+    return state | {"written_by": WRITTEN_BY_LEARNER}, base
+
+
+def fresh_buffer_state(step: int) -> dict:
+    """A buffer's part as a run's start would have it, at policy version ``step``."""
+    return {"cursor": 0, "policy_version": step, "started_samples": 0, "unfinished_groups": []}
+
+
+def trained_groups_by_step(path: Path) -> dict[int, list[int]]:
+    """Step -> group ids, from ``trained_groups.jsonl``; the last line of a step counts
+    (a resumed run trains it again); a line cut short by a crash is passed over."""
+    steps: dict[int, list[int]] = {}
+    if not path.exists():
+        return steps
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            steps[int(record["step"])] = [int(group) for group in record["group_ids"]]
+        except (ValueError, KeyError, TypeError):
+            continue
+    return steps
+
+
+def write_buffer_state(path: Path, state: dict) -> None:
+    """``buffer.json`` into checkpoint ``path``, atomically (it is trusted on resume)."""
+    partial = path / f"{BUFFER_STATE}.partial"
+    partial.write_text(json.dumps(state))
+    os.replace(partial, path / BUFFER_STATE)
+
+
+def _read_state(path: Path) -> dict:
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ReconstructionError(f"cannot read {path}: {error}") from error
+    if not isinstance(state, dict):
+        raise ReconstructionError(f"{path} is not a JSON object")
+    return state
+
+
+def _spans(steps: list[int]) -> str:
+    """``3-5, 9`` for [3, 4, 5, 9] (sorted)."""
+    spans: list[list[int]] = []
+    for step in steps:
+        if spans and step == spans[-1][1] + 1:
+            spans[-1][1] = step
+        else:
+            spans.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def prune(run_dir: Path, keep: int | None, written: Path) -> list[Path]:
+    """Rank 0, once ``written`` is marked complete: delete all but the newest ``keep``
+    complete checkpoints (None keeps all); returns those deleted (logged).
+
+    Never the one just written nor the newest complete one, and never a directory
+    without ``COMPLETE`` (being written, or a crash's leftover that a resume ignores).
+    """
+    if keep is None:
+        return []
+    older = complete_checkpoints(run_dir)[:-keep]
+    deleted = [path for path in older if path != written and _delete(path)]
+    if deleted:
+        log.info(
+            "deleted %d older checkpoint(s) (learner.keep_checkpoints=%d): %s",
+            len(deleted),
+            keep,
+            ", ".join(path.name for path in deleted),
+        )
+    return deleted
+
+
+def _delete(path: Path) -> bool:
+    """Remove a checkpoint, ``COMPLETE`` first (a half-deleted one is never resumed from);
+    False, with a warning, if it cannot be."""
+    try:
+        (path / COMPLETE).unlink(missing_ok=True)
+    except OSError as error:
+        log.warning("could not delete checkpoint %s: %s", path.name, error)
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return True
 
 
 def _state_tensors(

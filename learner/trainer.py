@@ -23,7 +23,16 @@ batch it is still waiting for, or finishes the step it is training; every
 rank then agrees to stop (:func:`stop_agreed`), the last complete step is
 checkpointed with the buffer's state unless it already is, and the process
 exits 0. Each step's group ids go to ``RUN_DIR/trained_groups.jsonl``, so
-which prompts were trained can be checked across restarts.
+which prompts were trained can be checked across restarts, and so that a
+checkpoint whose buffer part the buffer cannot write (it died: no answer
+within ``FINAL_SAVE_TIMEOUT_S`` of a stop) is still completed, rank 0 writing
+that part itself (:func:`.checkpoint.complete_without_buffer`). No wait for the
+buffer outlasts a stop by more than ``FINAL_SAVE_TIMEOUT_S``.
+
+A file of the run's record (``metrics.jsonl``, ``trained_groups.jsonl``) or a
+checkpoint that cannot be written (a full disk) stops the learner at once with
+one line naming the file and the error, and a non-zero status; aim failing only
+turns aim off (:mod:`asyncrl.tracking`).
 
 Held-out evaluation (``eval:``) never stops the loop: right after publishing
 version ``V`` with ``V % eval.every_steps == 0`` (and at ``V = 0`` with
@@ -40,7 +49,6 @@ saving the final policy so that the wait never holds the other ranks.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import signal
@@ -55,6 +63,7 @@ import torch.distributed as dist
 import zmq
 from torch import nn
 
+from asyncrl import progress
 from asyncrl.config import Config
 from asyncrl.learner import checkpoint, distributed, sharding
 from asyncrl.learner.batch import TrainBatch, collate
@@ -69,11 +78,12 @@ from asyncrl.messages import (
     SaveBufferState,
     StartEval,
     Trajectories,
+    WireError,
 )
 from asyncrl.models import DTYPES, build_policy, empty_like
-from asyncrl.paths import checkpoint_dir
+from asyncrl.paths import TRAINED_GROUPS, checkpoint_dir
 from asyncrl.security import LEARNER, client_context
-from asyncrl.tracking import Tracker
+from asyncrl.tracking import JsonLines, RecordWriteError, Tracker
 from asyncrl.transport import RequestClient, tcp
 from asyncrl.weights import WeightPublisher
 
@@ -82,21 +92,34 @@ log = logging.getLogger("asyncrl.learner")
 STOP_POLL_S = 0.2
 """While rank 0 waits for a batch, how often it checks whether it was asked to stop."""
 FINAL_SAVE_TIMEOUT_S = 5.0
-"""How long the checkpoint written on a stop waits for the buffer's part of it."""
+"""How long the checkpoint written on a stop waits for the buffer's part of it; also how
+long any wait for the buffer lasts once a stop is asked (a dead buffer never holds it up)."""
 START_EVAL_TIMEOUT_S = 30.0
 """How long starting an eval round waits for the buffer's answer (it answers at once)."""
-TRAINED_GROUPS = "trained_groups.jsonl"
-"""One line per step: ``{"step": 4, "version": 5, "group_ids": [...]}`` (steps as in
-metrics.jsonl). After a resume, the last line of a step is the one that counts."""
+
+
+class BufferStateNotSaved(RuntimeError):
+    """The buffer did not save its part of a checkpoint: no answer in time, or a refusal."""
 
 
 class BufferClient:
     """Rank 0's line to the buffer: batches (waiting however long generation takes)
-    and the buffer's share of each checkpoint."""
+    and the buffer's share of each checkpoint.
 
-    def __init__(self, context: zmq.Context, endpoint: str, pad_id: int):
+    Every wait for an answer checks ``stop`` (SIGTERM) every ``STOP_POLL_S``; once it
+    is true, the wait lasts at most ``FINAL_SAVE_TIMEOUT_S`` more.
+    """
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        endpoint: str,
+        pad_id: int,
+        stop: Callable[[], bool] = lambda: False,
+    ):
         self.client = RequestClient(context, endpoint, timeout_s=3600.0)
         self.pad_id = pad_id
+        self.stop = stop
         self.abandoned = False
         """A batch request is out that this learner stopped waiting for."""
 
@@ -132,7 +155,8 @@ class BufferClient:
         """Start eval round ``number`` of ``policy_version``; False if the buffer did not
         (an earlier round is still running: skipped and counted there)."""
         request = StartEval(round=number, policy_version=policy_version)
-        reply, _ = self.client.request(request, timeout_s=START_EVAL_TIMEOUT_S)
+        self.client.send(request)
+        reply, _ = self.reply_within(START_EVAL_TIMEOUT_S)
         if not isinstance(reply, Ack):
             raise RuntimeError(f"buffer answered {request!r} with {reply!r}")
         return bool(reply.accepted)
@@ -157,15 +181,42 @@ class BufferClient:
         return reply
 
     def save_state(self, step: int, timeout_s: float | None = None) -> None:
+        """Have the buffer write its part of checkpoint ``step``; BufferStateNotSaved if
+        it refuses or does not answer within ``timeout_s`` (default: the client's)."""
         request = SaveBufferState(step, abandoned_batch_request=self.abandoned)
-        reply, _ = self.client.request(request, timeout_s=timeout_s)
-        if self.abandoned and isinstance(reply, Trajectories):
-            # the abandoned request's answer, sent before the buffer read this one,
-            # which handed that batch back: untrained, it stays in the saved state
-            reply, _ = self.client.receive(timeout_s)
+        limit_s = self.client.timeout_s if timeout_s is None else timeout_s
+        try:
+            self.client.send(request)
+            reply, _ = self.reply_within(limit_s)
+            if self.abandoned and isinstance(reply, Trajectories):
+                # the abandoned request's answer, sent before the buffer read this one,
+                # which handed that batch back: untrained, it stays in the saved state
+                reply, _ = self.reply_within(limit_s)
+        except (TimeoutError, WireError, zmq.ZMQError) as error:
+            raise BufferStateNotSaved(f"the buffer did not save its part ({error})") from error
         self.abandoned = False
         if not isinstance(reply, Ack):
-            raise RuntimeError(f"buffer could not save its state for step {step}: {reply!r}")
+            raise BufferStateNotSaved(f"the buffer refused to save its part: {reply!r}")
+
+    def reply_within(self, timeout_s: float):
+        """The answer to the request out, within ``timeout_s``, or within
+        ``FINAL_SAVE_TIMEOUT_S`` of a stop, whichever ends first; TimeoutError if none."""
+        deadline = time.monotonic() + timeout_s
+        stopping = False
+        while True:
+            if not stopping and self.stop():
+                stopping = True
+                deadline = min(deadline, time.monotonic() + FINAL_SAVE_TIMEOUT_S)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                cut = f", cut to {FINAL_SAVE_TIMEOUT_S:g}s by a stop" if stopping else ""
+                raise TimeoutError(
+                    f"no reply from {self.client.endpoint} within {timeout_s:g}s{cut}"
+                )
+            try:
+                return self.client.receive(timeout_s=min(STOP_POLL_S, remaining))
+            except TimeoutError:
+                continue
 
 
 def lr_multiplier(config: Config):
@@ -260,8 +311,11 @@ class Learner:
         if self.ranks.is_main:
             policy = empty_like(self.policy_config, DTYPES[self.config.model.dtype])
             policy.load_state_dict(state)
-            policy.save_pretrained(path)
-            self.tokenizer.save_pretrained(path)
+            try:
+                policy.save_pretrained(path)
+                self.tokenizer.save_pretrained(path)
+            except OSError as error:
+                raise checkpoint.CheckpointWriteError(path, error, "the final policy") from error
 
 
 class StopRequest:
@@ -289,6 +343,16 @@ def stop_agreed(stop: bool, ranks: Ranks) -> bool:
 
 
 def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
+    """Train to ``run.total_steps`` or a stop; a file that cannot be written ends it in one
+    line (logged first: on a full disk a long traceback may not fit in the log)."""
+    try:
+        _train(config, run_dir, resume_from)
+    except (RecordWriteError, checkpoint.CheckpointWriteError) as error:
+        log.error("%s", error)
+        raise error.with_traceback(None) from None  # the line says it all
+
+
+def _train(config: Config, run_dir: Path, resume_from: Path | None) -> None:
     stop = StopRequest()  # first: a signal during start-up stops before step 1
     ranks = distributed.init(config.learner.device)
     torch.set_num_threads(config.learner.num_threads)
@@ -306,13 +370,16 @@ def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
         log.info("resumed from %s at version %d", resume_from, learner.version)
     with ExitStack() as cleanup:
         cleanup.callback(distributed.shutdown)
-        main = _MainRank(config, run_dir, learner, cleanup) if ranks.is_main else None
+        main = _MainRank(config, run_dir, learner, cleanup, stop) if ranks.is_main else None
         publish(learner, main)
         published = learner.version
         if main and (eval_due(config, learner.version) or before_training(config, learner)):
             main.start_eval(learner.version)
         checkpointed = learner.step
         while learner.step < config.run.total_steps:
+            progress.beat(
+                f"waiting for a batch for step {learner.step + 1}", waiting_for="generators"
+            )
             waited = time.perf_counter()
             fetched = main.buffer.next_batch(learner.version, stop) if main else None
             if stop_agreed(fetched is None, ranks):
@@ -321,6 +388,7 @@ def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
             batch = distributed.broadcast_batch(batch, ranks)
             wait_s = time.perf_counter() - waited
 
+            progress.beat(f"training step {learner.step + 1}")
             started = time.perf_counter()
             consumed_version = learner.version
             metrics = learner.train_step(batch)
@@ -357,9 +425,11 @@ def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
         if main is not None:
             (run_dir / "final" / FINAL_EVAL).unlink(missing_ok=True)  # an earlier launch's
             log.info("trained %d steps; saving the final policy", learner.step)
+        progress.beat("saving the final policy")
         learner.save_pretrained(run_dir / "final")
         distributed.barrier(ranks)  # every rank is done with the others before any exits
         if final_eval is not None:
+            progress.beat("waiting for the final eval", patience_s=config.eval.final_timeout_s + 60)
             final_eval.finish()
 
 
@@ -378,6 +448,7 @@ def before_training(config: Config, learner: Learner) -> bool:
 
 def publish(learner: Learner, main: _MainRank | None) -> float:
     """Hand the current weights to the generators; returns the seconds training stalled."""
+    progress.beat(f"publishing weights v{learner.version}")
     started = time.perf_counter()
     tensors = learner.full_tensors()
     if main is None:
@@ -395,19 +466,34 @@ def save_checkpoint(
     run_dir: Path,
     buffer_timeout_s: float | None = None,
 ) -> None:
+    progress.beat(f"checkpointing step {learner.step}")
     path = checkpoint_dir(run_dir, learner.step)
     if not learner.save_checkpoint(path):
         return  # not finite: refused and logged; no buffer state, never COMPLETE
-    if main is not None:
+    if main is None:
+        return
+    try:
         main.buffer.save_state(learner.step, buffer_timeout_s)
-        checkpoint.mark_complete(path)
-        log.info("checkpoint %s", path)
+    except BufferStateNotSaved as error:
+        # the learner's state is intact: complete the checkpoint without the buffer
+        if not checkpoint.complete_without_buffer(run_dir, path, learner.step, str(error)):
+            return
+    checkpoint.mark_complete(path)
+    log.info("checkpoint %s", path)
+    checkpoint.prune(run_dir, learner.config.learner.keep_checkpoints, path)
 
 
 class _MainRank:
     """What only rank 0 does: talk to the buffer and the generators, and log."""
 
-    def __init__(self, config: Config, run_dir: Path, learner: Learner, cleanup: ExitStack):
+    def __init__(
+        self,
+        config: Config,
+        run_dir: Path,
+        learner: Learner,
+        cleanup: ExitStack,
+        stop: Callable[[], bool] = lambda: False,
+    ):
         self.config = config
         self.tokenizer = learner.tokenizer
         self.context = client_context(config.cluster, LEARNER)
@@ -421,12 +507,13 @@ class _MainRank:
             self.context,
             tcp(config.cluster.host, config.cluster.buffer_port),
             learner.tokenizer.pad_token_id,
+            stop,
         )
         self.tracker = Tracker(
             run_dir, config.run.name, config.model_dump(mode="json"), config.tracking.aim
         )
-        cleanup.callback(self.tracker.close)
-        self.trained_groups = (run_dir / TRAINED_GROUPS).open("a")
+        cleanup.push(lambda failed, *_: self.tracker.close(hurry=failed is not None))
+        self.trained_groups = JsonLines(run_dir / TRAINED_GROUPS)
         cleanup.callback(self.trained_groups.close)
         self.samples_total = 0
         self.wait_total = 0.0
@@ -439,7 +526,14 @@ class _MainRank:
     def start_eval(self, version: int) -> None:
         """Ask the buffer to evaluate ``version`` (round ``version // eval.every_steps``)."""
         number = version // self.eval_every
-        if self.buffer.start_eval(number, version):
+        try:
+            started = self.buffer.start_eval(number, version)
+        except TimeoutError as error:
+            if not self.buffer.stop():
+                raise
+            log.warning("eval round %d (version %d) not started: %s", number, version, error)
+            return  # stopping: the final checkpoint comes next, buffer or not
+        if started:
             log.info("eval round %d started for version %d", number, version)
         else:
             log.warning(
@@ -511,9 +605,7 @@ class _MainRank:
         staleness = (version - batch.versions[made]).float() if made.any() else torch.zeros(1)
         tokens = int(batch.attention_mask.sum())
         groups = sorted(set(batch.group_ids.tolist()))
-        record = {"step": version, "version": version + 1, "group_ids": groups}
-        self.trained_groups.write(json.dumps(record) + "\n")
-        self.trained_groups.flush()
+        self.trained_groups.write({"step": version, "version": version + 1, "group_ids": groups})
         if "eval_reward_mean" in metrics:
             self.log_round(metrics)
         self.tracker.log_generations(version, self.generations(batch))

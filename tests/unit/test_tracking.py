@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import threading
 
 import pytest
 
@@ -93,3 +96,174 @@ def test_generations_are_not_decoded_or_written_when_aim_is_off(tmp_path):
     tracker.log_generations(0, [{"prompt": "1=", "response": "2"}])
     tracker.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+# ------------------------------------------------------------------ faults
+# aim is a viewer: its failures turn it off and training goes on. metrics.jsonl is the
+# run's record: a line that cannot be written stops the learner with one clear line.
+
+
+class FakeAimRun:
+    """Stands in for aim's Run; ``track`` raises once ``fail_after`` values went in."""
+
+    def __init__(
+        self, fail_after: int | None = None, close_blocks: bool = False, close_raises=False
+    ):
+        self.tracked: list[tuple] = []
+        self.fail_after = fail_after
+        self.release = threading.Event()
+        self.close_blocks = close_blocks
+        self.close_raises = close_raises
+        self.closed = threading.Event()
+
+    def track(self, value, name, step, context=None):
+        if self.fail_after is not None and len(self.tracked) >= self.fail_after:
+            raise OSError(28, "No space left on device")
+        self.tracked.append((name, step, value))
+
+    def close(self):
+        if self.close_blocks:
+            self.release.wait()
+        self.closed.set()
+        if self.close_raises:
+            raise OSError(28, "No space left on device")
+
+
+def fake_aim(monkeypatch, run: FakeAimRun | Exception) -> None:
+    def open_aim(*_):
+        if isinstance(run, Exception):
+            raise run
+        return run
+
+    monkeypatch.setattr("asyncrl.tracking.open_aim", open_aim)
+
+
+def read_lines(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_aim_failing_to_track_is_turned_off_with_one_warning_and_every_step_is_logged(
+    tmp_path, monkeypatch, caplog
+):
+    run = FakeAimRun(fail_after=3, close_raises=True)
+    fake_aim(monkeypatch, run)
+    uncaught = []
+    monkeypatch.setattr(threading, "excepthook", uncaught.append)
+    tracker = Tracker(tmp_path, "test", {}, use_aim=True)
+    for step in range(4):
+        tracker.log(step, {"reward_mean": 0.5})
+        tracker.log_generations(step, [{"prompt": "1=", "response": "2"}])
+    tracker.close()
+    for thread in threading.enumerate():
+        if thread.name == "aim-close":
+            thread.join()  # the failed run's close, in the background: it raised
+
+    assert run.closed.is_set()
+    assert uncaught == []  # no traceback of the close in the log, only the one warning
+
+    assert len(read_lines(tmp_path)) == 4  # training went on
+    assert [(line["tracking_aim_enabled"], line["tracking_aim_failures_total"])
+            for line in read_lines(tmp_path)] == [(1, 0), (0, 1), (0, 1), (0, 1)]  # fmt: skip
+    assert len(run.tracked) == 3  # nothing sent to aim once it failed
+    [warning] = [r for r in caplog.records if r.name == "asyncrl.tracking"]
+    assert warning.levelname == "WARNING"
+    assert "No space left on device" in warning.getMessage()
+    assert "aim is off for the rest of this run" in warning.getMessage()
+
+
+def test_aim_that_cannot_open_leaves_the_run_without_aim_and_counted(tmp_path, monkeypatch, caplog):
+    fake_aim(monkeypatch, RuntimeError("the repo is locked"))
+    tracker = Tracker(tmp_path, "test", {}, use_aim=True)
+    tracker.log(0, {"reward_mean": 0.5})
+    tracker.close()
+    [line] = read_lines(tmp_path)
+    assert line["tracking_aim_enabled"] == 0 and line["tracking_aim_failures_total"] == 1
+    assert "aim failed to open its repository (RuntimeError: the repo is locked)" in caplog.text
+
+
+def test_aim_failing_on_a_generation_text_is_turned_off(tmp_path, monkeypatch):
+    run = FakeAimRun(fail_after=0)
+    fake_aim(monkeypatch, run)
+    tracker = Tracker(tmp_path, "test", {}, use_aim=True)
+    tracker.log_generations(0, [{"prompt": "1=", "response": "2"}] * 3)
+    assert not tracker.aim.enabled
+    assert tracker.aim.failures == 1  # one failure, not one per generation
+    tracker.close()
+
+
+def test_closing_aim_that_hangs_is_abandoned_with_a_warning(tmp_path, monkeypatch, caplog):
+    run = FakeAimRun(close_blocks=True)
+    fake_aim(monkeypatch, run)
+    tracker = Tracker(tmp_path, "test", {}, use_aim=True)
+    tracker.aim.close_timeout_s = 0.05
+    tracker.log(0, {"reward_mean": 0.5})
+    try:
+        tracker.close()  # returns although aim's close never does
+        assert not run.closed.is_set()
+        assert "closing did not finish within 0.05s and was abandoned" in caplog.text
+        assert tracker.aim.failures == 1
+    finally:
+        run.release.set()
+
+
+def test_a_metrics_line_that_cannot_be_written_stops_with_one_line_naming_the_file(tmp_path):
+    from asyncrl.tracking import RecordWriteError
+
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+    tracker = Tracker(tmp_path, "test", {}, use_aim=False)
+    with pytest.raises(RecordWriteError) as raised:
+        tracker.log(0, {"reward_mean": 0.5})
+    message = str(raised.value)
+    assert message == (
+        f"cannot write {tmp_path / 'metrics.jsonl'}: No space left on device (errno 28); "
+        "the learner stops"
+    )
+    tracker.close()  # the unwritten line is dropped, no second error hides the first
+
+
+def test_a_trained_groups_line_that_cannot_be_written_stops_likewise(tmp_path):
+    from asyncrl.tracking import JsonLines, RecordWriteError
+
+    path = tmp_path / "trained_groups.jsonl"
+    path.symlink_to("/dev/full")
+    lines = JsonLines(path)
+    with pytest.raises(RecordWriteError) as raised:
+        lines.write({"step": 0, "version": 1, "group_ids": [0, 1]})
+    assert f"cannot write {path}: No space left on device" in str(raised.value)
+    lines.close()
+
+
+EXIT_PROGRAM = """
+import sys
+from pathlib import Path
+from aim.ext.cleanup import AutoClean
+from asyncrl.tracking import Tracker
+
+class Container:  # stands in for an aim container that a full disk keeps from closing
+    pass
+
+class Cleanup(AutoClean):
+    def _close(self):
+        raise OSError(28, "No space left on device")
+
+tracker = Tracker(Path(sys.argv[1]), "test", {}, use_aim=True)
+tracker.log(0, {"reward_mean": 0.5})
+container = Container()
+Cleanup(container)
+tracker.close()
+print("closed", flush=True)
+sys.exit(3)
+"""
+
+
+def test_the_process_exits_after_aim_closed_even_if_aims_exit_cleanup_would_fail(tmp_path):
+    # aim's exit handler waits without bound for its cleanups; one that raises (a full
+    # disk) never lets it end: the learner hung there for ever after its error
+    result = subprocess.run(
+        [sys.executable, "-c", EXIT_PROGRAM, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.stdout == "closed\n"
+    assert result.returncode == 3, result.stderr
