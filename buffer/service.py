@@ -47,6 +47,12 @@ The learner starts held-out eval rounds with ``StartEval``; a finished round's
 results no batch will carry (``EvalResultsRequest``): the request is answered at
 once when results wait or no round runs, and otherwise held, like a work
 request, until the running round completes or its ``wait_s`` runs out.
+
+Every prompt the store gives up on (a stale group out of retries, a filtered
+group) is appended to ``RUN_DIR/skipped_prompts.jsonl`` as it happens, one line
+``{"group_id", "reason", "step"}`` each, so a user can find it; the checkpoint's
+``buffer.json`` keeps the same record, and a resumed buffer rewrites the file from
+it (skips after that checkpoint were undone with the rest of the lost work).
 """
 
 from __future__ import annotations
@@ -67,6 +73,8 @@ import uvloop
 import zmq
 import zmq.asyncio
 
+from asyncrl import progress
+from asyncrl.buffer.durable import Skip
 from asyncrl.buffer.store import BufferStore, Sample
 from asyncrl.buffer.validation import (
     Limits,
@@ -139,6 +147,10 @@ the ones it generates plus the finished ones still being scored (a replica asks 
 A request beyond that is granted only what fits (counted in
 ``buffer_work_requests_capped``), so one generator id cannot book an unbounded share of
 the admission budget."""
+SKIPPED_PROMPTS = "skipped_prompts.jsonl"
+"""``RUN_DIR/SKIPPED_PROMPTS``: one JSON line per prompt handed out and given up on."""
+SKIPS_LOGGED = 10
+"""Group ids named in one log line about prompts skipped as stale (all are in the file)."""
 REJECTION_LOG_EVERY_S = 10.0
 """At most one log line per rejection reason this often; the count of the others rides
 along with the next line (every rejection is counted in ``buffer_rejected_<reason>``)."""
@@ -273,6 +285,8 @@ class BufferService:
         """``work_requests_held`` (ever) and ``work_requests_held_granted`` (got items)."""
         self.held_results: HeldResultsRequest | None = None
         """The learner's request for eval results, while the running round is not done."""
+        self.skips_written = 0
+        """How many of ``store.skipped`` are in ``RUN_DIR/skipped_prompts.jsonl``."""
 
     async def serve_loop(self) -> None:
         """Serve until ``stopping`` is set, then close the socket and the context."""
@@ -286,6 +300,7 @@ class BufferService:
         self.context.term()
 
     async def _serve(self) -> None:
+        self._start_skip_record()
         self.socket.bind(self.endpoint)
         log.info("buffer serving on %s", self.endpoint)
         try:
@@ -294,12 +309,17 @@ class BufferService:
                 self._expire_silent_generators()
                 if ready:
                     await self._receive()
+                    self._record_skips()
                 await self._serve_held(time.monotonic())
                 await self._serve_results(time.monotonic())
+                progress.beat("serving", detail=self._progress_detail)  # the loop turned
         finally:  # no peer is left waiting on a request that will never be answered
             for held in list(self.held.values()):
                 await self._answer_held(held, [], time.monotonic())
             await self._serve_results(math.inf)
+
+    def _progress_detail(self) -> str:
+        return f"{self.store.held_samples()} ready samples, {len(self.store.last_seen)} generators"
 
     async def _receive(self) -> None:
         identity, *frames = await self.socket.recv_multipart(copy=False)
@@ -548,7 +568,11 @@ class BufferService:
         and the eval round (one starting, or its groups handed back).
         """
         store = self.store
-        requeued = (len(store.requeue), store.counters["requeued_groups"])
+        requeued = (
+            len(store.requeue),
+            store.counters["requeued_groups"],
+            store.counters["stale_requeued_groups"],
+        )
         evaluation = store.evaluation.dispatch_state()
         return (
             store.policy_version,
@@ -644,15 +668,50 @@ class BufferService:
         path = checkpoint_dir(self.run_dir, step) / BUFFER_STATE
         path.parent.mkdir(parents=True, exist_ok=True)
         state = self.store.durable_state()
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
-        tmp.replace(path)  # atomic: a reader never sees half a file
+        _write_atomically(path, json.dumps(state))
         log.info(
-            "saved buffer state for step %d: cursor %d, %d unfinished groups",
+            "saved buffer state for step %d: cursor %d, %d unfinished groups, %d prompts skipped",
             step,
             state["cursor"],
             len(state["unfinished_groups"]),
+            len(state["skipped_groups"]),
         )
+
+    def _start_skip_record(self) -> None:
+        """Make ``skipped_prompts.jsonl`` hold exactly the skips the store knows of now
+        (none in a new run; a restored checkpoint's on resume)."""
+        path = self._skip_record_path()
+        if path is None or not (path.exists() or self.store.skipped):
+            return
+        _write_atomically(path, "".join(_skip_line(skip) for skip in self.store.skipped))
+        self.skips_written = len(self.store.skipped)
+
+    def _record_skips(self) -> None:
+        """Append the prompts given up on since the last call, one line each, and log them."""
+        path = self._skip_record_path()
+        new = self.store.skipped[self.skips_written :]
+        if path is None or not new:
+            return
+        try:
+            with path.open("a") as record:
+                record.write("".join(_skip_line(skip) for skip in new))
+        except OSError as error:  # kept in the store and buffer.json; tried again next time
+            log.error("could not record %d skipped prompt(s) in %s: %s", len(new), path, error)
+            return
+        self.skips_written += len(new)
+        stale = [skip.group_id for skip in new if skip.reason == "stale"]  # filtered: by design
+        if stale:
+            log.warning(
+                "%d prompt(s) skipped as stale after buffer.stale_retries=%d retries (%s): "
+                "recorded in %s",
+                len(stale),
+                self.store.stale_retries,
+                _first_ids(stale),
+                SKIPPED_PROMPTS,
+            )
+
+    def _skip_record_path(self) -> Path | None:
+        return None if self.run_dir is None else self.run_dir / SKIPPED_PROMPTS
 
     async def _serve_pending(self) -> None:
         if self.pending_batch is None:
@@ -683,6 +742,23 @@ class BufferService:
             self._count_rejection("unroutable_reply", f"could not reply to a peer: {error}")
             return False
         return True
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file: a reader never sees half."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _skip_line(skip: Skip) -> str:
+    return json.dumps(skip.as_dict()) + "\n"
+
+
+def _first_ids(group_ids: list[int]) -> str:
+    """Up to ``SKIPS_LOGGED`` ids for a log line, "..." if there are more."""
+    shown = ", ".join(map(str, group_ids[:SKIPS_LOGGED]))
+    return shown + ", ..." if len(group_ids) > SKIPS_LOGGED else shown
 
 
 def generators_summary(per_generator: dict[str, dict[str, float]]) -> dict[str, float]:
@@ -770,6 +846,26 @@ def build_store(
         max_held_samples=buffer.max_held_samples,
         max_held_bytes=buffer.max_held_bytes,
         eval_items=eval_items,
+        stale_retries=buffer.stale_retries,
+    )
+
+
+def restore_from(store: BufferStore, checkpoint: Path) -> None:
+    """Restore ``store`` from ``checkpoint``'s buffer.json; a file that cannot be read or
+    is not a valid state stops the buffer with one line naming it (SystemExit)."""
+    path = checkpoint / BUFFER_STATE
+    try:
+        store.restore(json.loads(path.read_text()))
+    except (OSError, ValueError) as error:  # JSONDecodeError is a ValueError
+        raise SystemExit(f"cannot resume from {path}: {error}") from None
+    log.info(
+        "resumed from %s: cursor %d, %d unfinished groups handed out first, %d prompts "
+        "skipped before, %d groups trained since it was written",
+        checkpoint,
+        store.cursor,
+        len(store.requeue),
+        len(store.skipped),
+        store.counters["restored_skipped_trained"] + len(store.trained_ahead),
     )
 
 
@@ -779,14 +875,7 @@ def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
 
     store = build_store(config, work_item_factory(config))
     if resume_from is not None:
-        state = json.loads((resume_from / BUFFER_STATE).read_text())
-        store.restore(state)
-        log.info(
-            "resumed from %s: cursor %d, %d unfinished groups handed out first",
-            resume_from,
-            store.cursor,
-            len(store.requeue),
-        )
+        restore_from(store, resume_from)
     if store.evaluation.enabled:
         log.info(
             "eval rounds: %d held-out prompts x %d samples, every %d steps",

@@ -7,7 +7,7 @@
       ▲ admission,     │                     │  ▲ evict if stale    │
       │ back-pressure  │ expire_silent()     │  └── re-served while ┘
       │                ▼                     ▼      times < max_reuse
-      └──────────── requeue            dropped_stale
+      └──────────── requeue ◀── retries ── dropped_stale ──▶ skipped (by id)
 
 Time is always an argument (``now``, seconds on one monotonic clock, supplied
 by the service or a test), never read here: the store stays pure and tests
@@ -26,7 +26,8 @@ Invariants, and the method that enforces each:
    twice in a batch.
 3. Admission: after every :meth:`~BufferStore.dispatch`, ``started_samples <=
    admission_limit()``. New prompts are admitted only within the limit;
-   requeued groups were counted when first dispatched and are not counted again.
+   requeued groups were counted when first dispatched and are not counted again
+   (a group evicted as stale and requeued keeps its budget too).
 4. Whole groups from one generator: :meth:`~BufferStore.ingest` accepts a
    sample only for a group in flight, from the generator it is dispatched to,
    once per index. A sample for a group that was requeued or already completed
@@ -49,7 +50,9 @@ Invariants, and the method that enforces each:
 
    where ``held_unserved`` are samples in ready groups never served and
    ``partial`` those of groups still in flight (:meth:`~BufferStore.accounted`).
-   Each method that moves samples counts the move.
+   Each method that moves samples counts the move. ``dropped_stale`` counts every
+   stale eviction's samples, also of groups whose prompt then goes out again (8.), so
+   one prompt's samples may be accepted more than once.
 6. Groups: ``dispatched_groups == completed_groups + requeued_groups +
    len(in_flight)``: every dispatched group is completed (then ready, served,
    filtered or evicted), requeued, or still in flight.
@@ -58,6 +61,16 @@ Invariants, and the method that enforces each:
    Nothing is dropped to make room and :meth:`~BufferStore.take_batch` is never
    blocked; the bound applies only once a batch can be formed, so it cannot
    starve the learner.
+8. Prompts: every prompt below the cursor is, at any time, exactly one of trained
+   (served, or before a restore), unfinished (in flight, requeued, or ready and
+   never served: what :meth:`~BufferStore.durable_state` lists), or skipped,
+   recorded by id with its reason in :attr:`BufferStore.skipped`. Nothing is given
+   up on without a name. A group evicted as stale before it was ever served is
+   requeued whole (its prompt, same group id) up to ``stale_retries`` times
+   (``stale_requeued_groups``); after that its prompt is skipped (``stale``). A
+   filtered group's prompt is skipped at once (``filtered_<reason>``): by design it
+   has no training signal, and a prompt whose group is all equal or truncated would
+   most likely be again.
 
 Filters run when a group completes, on the whole group: ``filter_truncated``
 drops a group if any of its samples hit the length limit (keeping the rest
@@ -65,13 +78,17 @@ would serve a group short of samples, its baseline computed without the
 truncated ones), and
 ``filter_equal_rewards`` drops a group whose rewards are all equal (DAPO's
 dynamic sampling: it has no learning signal under GRPO; a group of one sample
-always qualifies). Filtered samples free admission budget like evicted ones.
+always qualifies). Filtered samples free admission budget like skipped stale ones.
 Every sample that leaves other than by ``take_batch`` is counted in
-:attr:`BufferStore.counters` by reason.
+:attr:`BufferStore.counters` by reason, and every prompt given up on is in
+:attr:`BufferStore.skipped` (invariant 8). Partial samples discarded when a group
+is requeued (``discarded_requeue``) lose no prompt: the group goes out again.
 
 Prompts are a pure function of an integer index (the dataset cursor), and the
 group id of a prompt is its index, so a group is identified across restarts,
 and a group id below the cursor that is not in flight was dispatched before.
+A requeued group (a silent generator's, or a stale one retried) keeps its id, so
+``trained_groups.jsonl`` names each prompt by the same id however often it went out.
 
 Held-out evaluation rounds (:mod:`asyncrl.buffer.evaluation`) share dispatch
 and liveness with training but none of its accounting: their groups (negative
@@ -92,6 +109,7 @@ from functools import cached_property
 
 import numpy as np
 
+from asyncrl.buffer.durable import Skip, check_state
 from asyncrl.buffer.evaluation import EvalRounds
 from asyncrl.messages import NOT_EVAL, TrajectoryMeta, WorkItem
 
@@ -100,6 +118,8 @@ UNVERSIONED = 1 << 62
 """The version of a sample with no model token: later than any, so never stale."""
 FILTERS = ("truncated", "equal_rewards")
 """Filter reasons; each is counted as ``filtered_<reason>``."""
+SKIP_REASONS = ("stale", *(f"filtered_{reason}" for reason in FILTERS))
+"""Why a prompt handed out was given up on (:attr:`BufferStore.skipped`)."""
 
 
 @dataclass
@@ -175,6 +195,7 @@ class BufferStore:
         max_held_samples: int = 0,
         max_held_bytes: int = 256 * MIB,
         eval_items: Sequence[WorkItem] = (),
+        stale_retries: int = 0,
     ):
         self.make_item = make_item
         self.samples_per_step = samples_per_step
@@ -213,6 +234,17 @@ class BufferStore:
         """Held-out eval rounds on ``eval_items`` (none: evaluation is off)."""
         self.batch_eval_results: dict[str, float] = {}
         """The eval results handed over with the last batch served (empty: none)."""
+        self.stale_retries = stale_retries
+        """Times a prompt whose unserved group went stale is handed out again (0: skip it)."""
+        self.stale_evictions: dict[int, int] = {}
+        """Group id -> times its group was evicted as stale and requeued, until it is
+        served (and can no longer be handed back) or skipped."""
+        self.skipped: list[Skip] = []
+        """Every prompt handed out and given up on, in order: by id, reason and step."""
+        self.skipped_by_reason: Counter[str] = Counter()
+        self.trained_ahead: set[int] = set()
+        """Prompts at or past the cursor that a restored state says were trained: the
+        cursor passes over them, they are never handed out."""
 
     # ---------------------------------------------------------------- liveness
 
@@ -329,11 +361,16 @@ class BufferStore:
         return items
 
     def _dispatch_new(self, generator_id: str, budget: int) -> list[WorkItem]:
-        """New prompts from the cursor while they fit in ``budget`` and admission allows."""
+        """New prompts from the cursor while they fit in ``budget`` and admission allows.
+
+        A prompt trained before a restore (:attr:`trained_ahead`) is passed over, its
+        samples counted as started, as they were when the learner trained them.
+        """
         items: list[WorkItem] = []
         while True:
             item = self.make_item(self.cursor)
-            if item.num_samples > budget:
+            trained = self.cursor in self.trained_ahead
+            if not trained and item.num_samples > budget:
                 break
             if (
                 self.admission_control
@@ -342,8 +379,12 @@ class BufferStore:
                 self.counters["dispatch_refused_admission"] += 1
                 break
             self.cursor += 1
-            budget -= item.num_samples
             self.started_samples += item.num_samples
+            if trained:
+                self.trained_ahead.discard(item.group_id)
+                self.counters["restored_skipped_trained"] += 1
+                continue
+            budget -= item.num_samples
             self.in_flight[item.group_id] = Group(item, generator_id)
             items.append(item)
         return items
@@ -416,6 +457,7 @@ class BufferStore:
             return
         self.counters["filtered"] += len(group.samples)
         self._discard(group, f"filtered_{reason}")
+        self._skip(group.item.group_id, f"filtered_{reason}")
 
     def _filter_reason(self, group: Group) -> str | None:
         samples = group.samples.values()
@@ -439,8 +481,9 @@ class BufferStore:
     def evict_stale(self) -> None:
         """Drop ready groups that are already too stale for the current version.
 
-        A group never served is counted ``dropped_stale`` and frees admission
-        budget; a group kept for reuse was served already and simply retires.
+        A group never served is counted ``dropped_stale`` and its prompt goes out
+        again or is skipped (:meth:`_evict_unserved`); a group kept for reuse was
+        served already and simply retires.
         """
         keep = []
         for group in self.ready:
@@ -450,12 +493,38 @@ class BufferStore:
                 self.counters["retired_stale_after_serving"] += len(group.samples)
             else:
                 self.counters["dropped_stale_response_tokens"] += group.response_tokens
-                self._discard(group, "dropped_stale")
+                self._evict_unserved(group)
         self.ready = keep
+
+    def _evict_unserved(self, group: Group) -> None:
+        """A group never trained went stale: requeue its prompt while it has retries left
+        (keeping its admission budget, like any requeued group), else skip it by id.
+
+        A slow or descheduled generator's work is lost, not its prompt: the prompt is
+        generated again by the current policy, and given up on only if that keeps failing.
+        """
+        group_id = group.item.group_id
+        evictions = self.stale_evictions.get(group_id, 0)
+        if evictions < self.stale_retries:
+            self.counters["dropped_stale"] += len(group.samples)
+            self.counters["stale_requeued_groups"] += 1
+            self.stale_evictions[group_id] = evictions + 1
+            self.requeue.append(group.item)
+            return
+        self._discard(group, "dropped_stale")
+        self._skip(group_id, "stale")
+
+    def _skip(self, group_id: int, reason: str) -> None:
+        """Give up on a prompt handed out: record its id and why; it never goes out again."""
+        self.stale_evictions.pop(group_id, None)
+        self.skipped.append(Skip(group_id, reason, self.policy_version))
+        self.skipped_by_reason[reason] += 1
 
     def take_batch(self) -> list[Sample] | None:
         """``samples_per_step`` samples from complete groups, oldest first, or None yet."""
         self.evict_stale()
+        for group in self.last_batch:  # trained now: it can no longer be handed back
+            self.stale_evictions.pop(group.item.group_id, None)
         if self.held_samples() < self.samples_per_step:
             return None
         batch: list[Sample] = []
@@ -510,36 +579,64 @@ class BufferStore:
     # -------------------------------------------------------------- durability
 
     def durable_state(self) -> dict:
-        """What a learner checkpoint keeps: the cursor and the groups not yet trained on.
+        """What a learner checkpoint keeps: the cursor, the groups not yet trained on, and
+        the prompts given up on (fields: :mod:`asyncrl.buffer.durable`).
 
         Groups in flight, waiting to be requeued, or complete but never served are
         "unfinished": a run resumed from this checkpoint hands them out again
-        before any new prompt, so no prompt is skipped, and since prompts come
-        from the cursor, none below it is handed out twice. Eval rounds are not kept:
+        before any new prompt, with the stale retries they used, and since prompts
+        come from the cursor, none below it is handed out twice. Skipped prompts are
+        kept by id (invariant 8), never handed out again. Eval rounds are not kept:
         one unfinished at the checkpoint is dropped, and the resumed learner starts the
         next one when it is due.
         """
-        unfinished = [*self.in_flight, *(item.group_id for item in self.requeue)]
-        unfinished += [group.item.group_id for group in self.ready if not group.times_served]
+        unfinished = sorted(self.unfinished_groups())
         return {
             "cursor": self.cursor,
             "policy_version": self.policy_version,
             "started_samples": self.started_samples,
-            "unfinished_groups": sorted(unfinished),
+            "unfinished_groups": unfinished,
+            "stale_evictions": [
+                [group_id, self.stale_evictions[group_id]]
+                for group_id in unfinished
+                if group_id in self.stale_evictions
+            ],
+            "skipped_groups": [skip.as_dict() for skip in self.skipped],
+            "trained_ahead": sorted(self.trained_ahead),
         }
 
+    def unfinished_groups(self) -> list[int]:
+        """Group ids handed out and neither trained nor skipped (in flight, requeued, ready)."""
+        unfinished = [*self.in_flight, *(item.group_id for item in self.requeue)]
+        return unfinished + [g.item.group_id for g in self.ready if not g.times_served]
+
     def restore(self, state: dict) -> None:
-        """Continue from :meth:`durable_state` in a fresh store: unfinished groups go first."""
+        """Continue from :meth:`durable_state` in a fresh store: unfinished groups go first.
+
+        The state is checked whole first (:func:`~asyncrl.buffer.durable.check_state`;
+        ValueError naming ``buffer.json`` and the field). Groups it says were trained
+        since it was written (``trained_since``, from a learner that wrote the state
+        itself) are never handed out again, whether unfinished or past the cursor;
+        each one passed over is counted in ``restored_skipped_trained``.
+        """
         if self.cursor or self.in_flight or self.ready or self.requeue:
             raise RuntimeError("restore() needs a fresh store")
-        self.cursor = int(state["cursor"])
-        self.policy_version = int(state["policy_version"])
-        self.started_samples = int(state["started_samples"])  # admission resumes where it was
-        for group_id in state["unfinished_groups"]:
-            if not 0 <= group_id < self.cursor:
-                raise ValueError(f"unfinished group {group_id} is not below cursor {self.cursor}")
-            self.requeue.append(self.make_item(group_id))
-        self.counters["restored_groups"] += len(state["unfinished_groups"])
+        checked = check_state(state, SKIP_REASONS)
+        self.cursor = checked.cursor
+        self.policy_version = checked.policy_version
+        self.started_samples = checked.started_samples  # admission resumes where it was
+        for group_id in checked.unfinished_groups:
+            if group_id in checked.trained:  # its samples stay started: they were trained
+                self.counters["restored_skipped_trained"] += 1
+            else:
+                self.requeue.append(self.make_item(group_id))
+                self.counters["restored_groups"] += 1
+        trained = checked.trained
+        self.trained_ahead = {group_id for group_id in trained if group_id >= self.cursor}
+        retries = checked.stale_evictions.items()
+        self.stale_evictions = {g: times for g, times in retries if g not in trained}
+        self.skipped = list(checked.skipped)
+        self.skipped_by_reason = Counter(skip.reason for skip in self.skipped)
 
     # ----------------------------------------------------------------- metrics
 
@@ -589,6 +686,15 @@ class BufferStore:
             "buffer_discarded_requeue": float(c["discarded_requeue"]),
             "buffer_evicted_frac": c["dropped_stale"] / accepted if accepted else 0.0,
             "buffer_requeued_groups": float(c["requeued_groups"]),
+            "buffer_stale_requeued_groups": float(c["stale_requeued_groups"]),
+            "buffer_stale_retries_pending": float(len(self.stale_evictions)),
+            "buffer_prompts_skipped": float(len(self.skipped)),
+            **{
+                f"buffer_prompts_skipped_{reason}": float(self.skipped_by_reason[reason])
+                for reason in SKIP_REASONS
+            },
+            "buffer_restored_groups": float(c["restored_groups"]),
+            "buffer_restored_skipped_trained": float(c["restored_skipped_trained"]),
             "buffer_reward_errors": float(c["reward_errors"]),
             **{
                 f"buffer_{key}": float(value)

@@ -42,7 +42,14 @@ def assert_accounting(store: BufferStore) -> None:
     assert c["dispatched_groups"] == (
         c["completed_groups"] + c["requeued_groups"] + len(store.in_flight)
     )
-    assert len(store.requeue) == c["requeued_groups"] - c["redispatched_groups"]
+    requeued = c["requeued_groups"] + c["stale_requeued_groups"]
+    assert len(store.requeue) == requeued - c["redispatched_groups"]
+
+
+def assert_every_prompt_named(store: BufferStore, trained: set[int]) -> None:
+    """Invariant 8: below the cursor each prompt is trained, unfinished or skipped by id."""
+    named = [*trained, *store.unfinished_groups(), *(skip.group_id for skip in store.skipped)]
+    assert sorted(named) == list(range(store.cursor))
 
 
 # ------------------------------------------------------- heartbeats and requeue
@@ -361,6 +368,7 @@ OPS = ["dispatch", "ingest", "heartbeat", "tick", "advance", "take", "ingest", "
     filter_equal_rewards=st.sampled_from([False, False, True]),
     filter_truncated=st.sampled_from([False, False, True]),
     held_batches=st.integers(0, 3),
+    stale_retries=st.integers(0, 2),
     data=st.data(),
 )
 def test_random_interleavings_with_generator_deaths_keep_the_buffer_invariants(
@@ -372,6 +380,7 @@ def test_random_interleavings_with_generator_deaths_keep_the_buffer_invariants(
     filter_equal_rewards,
     filter_truncated,
     held_batches,
+    stale_retries,
     data,
 ):
     samples_per_step = group_size * prompts_per_step
@@ -383,6 +392,7 @@ def test_random_interleavings_with_generator_deaths_keep_the_buffer_invariants(
         filter_equal_rewards=filter_equal_rewards,
         filter_truncated=filter_truncated,
         max_held_samples=held_batches * samples_per_step,
+        stale_retries=stale_retries,
     )
     generators = [f"gen-{i}" for i in range(num_generators)]
     now = 0.0
@@ -501,9 +511,13 @@ def test_random_interleavings_with_generator_deaths_keep_the_buffer_invariants(
         assert sum(served.values()) == store.counters["served"]
         assert_accounting(store)
         assert store.started_samples <= store.admission_limit()
+        # what leaves for good frees its budget: filtered groups and prompts skipped as stale
+        skipped_stale = sum(skip.reason == "stale" for skip in store.skipped)
         assert store.started_samples == (
-            group_size * store.cursor - store.counters["filtered"] - store.counters["dropped_stale"]
+            group_size * (store.cursor - skipped_stale) - store.counters["filtered"]
         )
+        assert_every_prompt_named(store, {group for group, _ in served})
+        assert all(times <= stale_retries for times in store.stale_evictions.values())
         assert not set(store.in_flight) & set(ids(store.requeue))
         for group in store.in_flight.values():
             assert all(s.meta.generator_id == group.generator_id for s in group.samples.values())

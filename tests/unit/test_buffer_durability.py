@@ -63,6 +63,9 @@ def test_unfinished_groups_go_out_before_new_prompts_and_admission_carries_over(
         "policy_version": 0,
         "started_samples": 8,
         "unfinished_groups": [0, 1, 2, 3],
+        "stale_evictions": [],
+        "skipped_groups": [],
+        "trained_ahead": [],
     }
     resumed = make_store(group_size=2, samples_per_step=4, max_staleness=1)
     resumed.restore(state)

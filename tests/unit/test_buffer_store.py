@@ -153,6 +153,8 @@ def test_a_stale_group_is_evicted_whole_counted_and_frees_admission_budget():
     assert store.counters["dropped_stale"] == 2
     assert store.held_samples() == 0
     assert store.started_samples == 14
+    # without stale retries (the store's default) its prompt is given up on, by id
+    assert [(skip.group_id, skip.reason) for skip in store.skipped] == [(0, "stale")]
     # the 2 freed samples admit exactly one more group
     assert [item.group_id for item in store.dispatch("gen-0", max_samples=100)] == [8]
 
