@@ -668,6 +668,8 @@ def closing_message(run_dir: Path, status: int, failure: str | None, elapsed_s: 
         evaluated = final_eval_text(run_dir)
         return f"done in {elapsed_s:.1f}s{evaluated}; final policy in {run_dir / 'final'}"
     lines = [f"asyncrl: run failed: {failure}" if failure else "asyncrl: stopped"]
+    if (full := disk_full_note(run_dir)) is not None:
+        lines.append(full)
     if wrote_final_policy(run_dir, time.time() - elapsed_s):  # stopped while evaluating it
         lines.append(f"asyncrl: training had finished; the final policy is in {run_dir / 'final'}")
         return "\n".join(lines)
@@ -680,6 +682,25 @@ def closing_message(run_dir: Path, status: int, failure: str | None, elapsed_s: 
             f"asyncrl launch --resume {run_dir}"
         )
     return "\n".join(lines)
+
+
+DISK_NEARLY_FULL_BYTES = 16 * 2**20
+"""A run that failed with less free space than this beside its run directory is told so:
+the failing role's own last line may not have fit into its log."""
+
+
+def disk_full_note(run_dir: Path) -> str | None:
+    """One line saying the run directory's filesystem is (nearly) full, or None."""
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        return None
+    if free >= DISK_NEARLY_FULL_BYTES:
+        return None
+    return (
+        f"asyncrl: the filesystem of {run_dir} is full ({free / 2**20:.1f} MiB free): writes "
+        "fail with 'No space left on device'; free space there before resuming"
+    )
 
 
 def final_eval_text(run_dir: Path) -> str:

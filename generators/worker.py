@@ -260,9 +260,8 @@ class GeneratorReplica:
         that way is answered anyway, when the replica says ``Leave``.
         """
         if not self.idle():
-            grant, _ = self.buffer.request(
-                WorkRequest(self.generator_id, room, incarnation=self.incarnation)
-            )
+            self.buffer.send(WorkRequest(self.generator_id, room, incarnation=self.incarnation))
+            grant, _ = self.reply()
             assert isinstance(grant, WorkGrant), grant
             return grant
         wait_s = self.config.buffer.heartbeat_interval_s
@@ -282,6 +281,23 @@ class GeneratorReplica:
                 continue
             assert isinstance(grant, WorkGrant), grant
             return grant
+
+    def reply(self) -> tuple:
+        """The buffer's answer to the request just sent. Once stopping, the replica waits for
+        it at most ``LEAVE_TIMEOUT_S`` more: a dead buffer (its launcher killed) must not
+        hold the replica and its reward workers for the client's whole ``timeout_s``."""
+        waited_s = 0.0
+        while True:
+            try:
+                return self.buffer.receive(timeout_s=STOP_POLL_S)
+            except TimeoutError:
+                waited_s += STOP_POLL_S
+                patience_s = LEAVE_TIMEOUT_S if self.stopping else self.buffer.timeout_s
+                if waited_s >= patience_s:
+                    stopping = " while stopping" if self.stopping else ""
+                    raise TimeoutError(
+                        f"no reply from {self.buffer.endpoint} within {waited_s:.0f}s{stopping}"
+                    ) from None
 
     def sync_weights(self) -> None:
         update = self.weights.fetch_newer(self.backend.version)
@@ -325,7 +341,8 @@ class GeneratorReplica:
         self.stats["wall_s"] = time.monotonic() - self.started_at
         stats = {key: float(value) for key, value in self.stats.items()}
         trajectories = Trajectories(metas, stats, self.pool, self.incarnation)
-        ack, _ = self.buffer.request(trajectories, arrays)
+        self.buffer.send(trajectories, arrays)
+        ack, _ = self.reply()
         assert isinstance(ack, Ack), ack
         self.stats["samples_sent"] += len(rollouts)
 

@@ -141,3 +141,12 @@ def test_the_closing_line_shows_any_final_eval_record_without_raising(tmp_path, 
     (tmp_path / "final").mkdir()
     (tmp_path / "final" / "eval.json").write_text(json.dumps(record))
     assert final_eval_text(tmp_path).startswith(shown)
+
+
+@pytest.mark.parametrize(("free_mib", "said"), [(0.5, True), (15.9, True), (16, False)])
+def test_a_failed_run_on_a_full_disk_says_so(tmp_path, monkeypatch, free_mib, said):
+    usage = launch.shutil.disk_usage(tmp_path)._replace(free=int(free_mib * 2**20))
+    monkeypatch.setattr(launch.shutil, "disk_usage", lambda path: usage)
+    message = launch.closing_message(tmp_path, 1, "learner exited with status 1", 3.0)
+    assert ("No space left on device" in message) is said
+    assert message.startswith("asyncrl: run failed: learner exited with status 1")
