@@ -8,7 +8,7 @@ A randomly initialised model learns it from reward alone in a few hundred
 updates, which is what a quickstart needs.
 
 Prompts are a pure function of (seed, index): the buffer's dataset cursor is
-just an integer, so a resumed run neither repeats nor skips one.
+just an integer, so a resumed run hands out the same prompts from the same place.
 
 Held-out evaluation (``eval:``, :func:`eval_work_items`) draws its prompts from
 another stream (:func:`eval_digits`), and training then redraws any prompt that

@@ -5,9 +5,10 @@ A checkpoint is a directory ``RUN_DIR/checkpoints/step-000040`` holding:
 - the DCP shards of the model and optimizer (each rank writes its own),
 - ``trainer.json``: step, version, scheduler state,
 - ``rng-<rank>.pt``: each rank's RNG state,
-- ``buffer.json``: the buffer's dataset cursor and unfinished groups, written
-  by the buffer when the learner asks (so a resumed run neither repeats nor
-  skips a prompt),
+- ``buffer.json``: the buffer's dataset cursor, unfinished groups and the prompts it
+  gave up on (by id), written by the buffer when the learner asks, or rebuilt by the
+  learner when the buffer is dead (so a resumed run repeats no prompt and skips none
+  without naming it),
 - ``COMPLETE``: written last, once every rank has finished. A directory
   without it (a crash mid-save) is ignored by
   :func:`asyncrl.paths.latest_checkpoint`.
