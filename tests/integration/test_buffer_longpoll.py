@@ -105,6 +105,7 @@ def test_a_held_request_is_answered_with_work_once_the_learner_s_next_step_admit
             assert send_samples(taker, group_id, GROUP, "gen-x", reward=float) == ACCEPTED
 
         a.send_multipart(encode(WorkRequest("gen-a", BATCH, wait_s=LONG_WAIT_S)))
+        held_now(observer, 1)  # gen-a's request is the older: two connections race otherwise
         c.send_multipart(encode(WorkRequest("gen-c", BATCH, wait_s=LONG_WAIT_S)))
         held = held_now(observer, 2)
         assert held["buffer_work_requests_held"] == 2.0
