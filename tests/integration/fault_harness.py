@@ -467,6 +467,19 @@ def read_only_disk(path: Path) -> Iterator[Path]:
         _umount(path)
 
 
+REMOUNT_TRIES = 100
+"""Linux refuses a read-only remount ("mount point is busy") while a file under it is open
+for writing; aim closes its files between writes, so the remount is tried again."""
+
+
+def _remount_read_only(path: Path) -> None:
+    for _ in range(REMOUNT_TRIES - 1):
+        with contextlib.suppress(MountUnavailable):
+            return _mount("-o", "remount,bind,ro", str(path))
+        time.sleep(0.05)
+    _mount("-o", "remount,bind,ro", str(path))
+
+
 @contextlib.contextmanager
 def made_read_only(path: Path) -> Iterator[Callable[[], None]]:
     """Yields a function that turns the directory ``path`` read-only where it is (a bind
@@ -480,7 +493,7 @@ def made_read_only(path: Path) -> Iterator[Callable[[], None]]:
             raise MountUnavailable(why)
         _mount("--bind", str(path), str(path))
         mounted = True
-        _mount("-o", "remount,bind,ro", str(path))
+        _remount_read_only(path)
 
     try:
         yield make
