@@ -62,7 +62,9 @@ class Report:
     wait); the watchdog allows the longer of this and ``run.stall_timeout_s``."""
     waiting_for: str = ""
     """``generators`` while ``doing`` waits on them (the learner waiting for a batch): a
-    generator starting or being restarted is then not this role's stall."""
+    generator starting or being restarted is then not this role's stall. ``learner`` while
+    it waits on the learner (a generator fetching weights): a frozen learner is then the
+    learner's stall, not this role's."""
 
     def what(self) -> str:
         """``doing (detail)``."""

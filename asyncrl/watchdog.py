@@ -185,6 +185,7 @@ class Watchdog:
             self.observe(watched, now)
         if waited_on or self._generator_starting(live):  # started since, or still starting
             self.generators_restarting()
+        self._excuse_waiting_on_learner(live, now)
         for watched in live:
             if watched.report is None and not watched.local:
                 self._note_unwatched(watched, now)
@@ -196,7 +197,21 @@ class Watchdog:
 
     @staticmethod
     def _generator_starting(live: list[Watched]) -> bool:
-        return any(w.role == "generator" and w.starting and w.local for w in live)
+        """A generator is starting, not merely waiting for the learner's weights."""
+        return any(
+            w.role == "generator" and w.starting and w.local and not _waits_on_learner(w)
+            for w in live
+        )
+
+    @staticmethod
+    def _excuse_waiting_on_learner(live: list[Watched], now: float) -> None:
+        """A role waiting on a live learner (a generator fetching its weights) is not
+        stalled: if the learner is frozen, the learner's own allowance runs out and the
+        run stops naming it, instead of its waiters being blamed and restarted."""
+        if any(w.role == "learner" for w in live):
+            for watched in live:
+                if _waits_on_learner(watched):
+                    watched.advanced = max(watched.advanced, now)
 
     def allowance_s(self, watched: Watched) -> float:
         """``run.stall_timeout_s``; at least :data:`START_TIMEOUT_S` while starting, and at
@@ -309,3 +324,7 @@ class StartFailures:
             f"failed {self.count} times in a row before making any progress, "
             f"each time with: {self.line}"
         )
+
+
+def _waits_on_learner(watched: Watched) -> bool:
+    return watched.report is not None and watched.report.waiting_for == "learner"

@@ -79,7 +79,7 @@ import threading
 import time
 import zlib
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -159,6 +159,8 @@ libzmq whatever its application does). A peer that stopped reading cannot answer
 dropping it releases the chunk replies it pinned and its place among the served peers."""
 REJECTION_LOG_INTERVAL_S = 60.0
 """At most one log line per rejection reason per interval, with the count since."""
+SLOW_REPLY_MS = 1000
+"""A client told to (``on_wait``) says it is waiting on the publisher after this long."""
 _WAITING_POLL_MS = 2
 """How often the server thread looks for drained chunk replies while requests wait."""
 _RECEIVE_BATCH = 256
@@ -773,6 +775,7 @@ class WeightClient:
         window: int = 2,
         max_restarts: int = 8,
         reuse_buffers: bool = False,
+        on_wait: Callable[[], None] | None = None,
     ):
         if not 1 <= window <= MAX_WINDOW:
             raise ValueError(f"window must be between 1 and {MAX_WINDOW}, got {window}")
@@ -782,6 +785,9 @@ class WeightClient:
         self.window = window
         self.max_restarts = max_restarts
         self.reuse_buffers = reuse_buffers
+        self.on_wait = on_wait
+        """Called once when a reply takes over :data:`SLOW_REPLY_MS`: the caller says it is
+        waiting on the publisher (the learner), so a frozen learner is not its stall."""
         self._buffers: list[torch.Tensor] | None = None
         self.socket = client_socket(context, endpoint, timeout_s)
         self.errors: Counter[str] = Counter()
@@ -814,7 +820,11 @@ class WeightClient:
         return None
 
     def _receive(self, max_bytes: int):
-        if not self.socket.poll(int(self.timeout_s * 1000)):
+        timeout_ms = int(self.timeout_s * 1000)
+        if self.on_wait is not None and not self.socket.poll(min(SLOW_REPLY_MS, timeout_ms)):
+            self.on_wait()
+            timeout_ms -= SLOW_REPLY_MS
+        if timeout_ms <= 0 or not self.socket.poll(timeout_ms):
             raise TimeoutError(f"no reply from {self.endpoint} within {self.timeout_s:.0f}s")
         return decode(self.socket.recv_multipart(copy=False), max_bytes=max_bytes)
 

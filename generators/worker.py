@@ -82,6 +82,12 @@ STOP_POLL_S = 0.1
 """How often a replica whose work request the buffer holds checks whether it should stop."""
 
 
+def waiting_for_weights() -> None:
+    """A weight fetch the learner has not answered for a second: the learner's stall, not
+    this replica's (the watchdog then blames the learner instead of restarting us)."""
+    progress.beat("waiting for weights from the learner", advanced=False, waiting_for="learner")
+
+
 class GeneratorReplica:
     def __init__(
         self,
@@ -101,7 +107,7 @@ class GeneratorReplica:
         self.pool = pool
         self.backend = backend
         self.buffer = buffer
-        self.weights = WeightClient(context, weights_endpoint)
+        self.weights = WeightClient(context, weights_endpoint, on_wait=waiting_for_weights)
         self.active: list[Rollout] = []
         self.stopping = False
         self.stats = {"samples_sent": 0, "weight_swaps": 0, "weight_swap_latency_s": 0.0}

@@ -221,6 +221,44 @@ def test_while_a_generator_starts_the_learner_waiting_for_a_batch_waits_for_it(
     assert [s.name for s in dog.check()] == ["learner"]
 
 
+def test_a_frozen_learner_is_blamed_not_the_generators_waiting_for_its_weights(
+    tmp_path: Path,
+) -> None:
+    """The learner froze waiting for a batch; the generator's weight fetch hangs on it.
+    Blaming the generator restarts it, and its start then excused the learner for ever
+    (seen in CI: the run went on for 120 s instead of stopping at 10 s)."""
+    dog, clock, _ = watchdog(tmp_path)
+    dog.watch("learner", "learner", 30)
+    dog.watch("generator-0", "generator", 31)
+    write_report(
+        tmp_path, "learner", 30, 5, doing="waiting for a batch for step 3", waiting_for="generators"
+    )
+    write_report(tmp_path, "generator-0", 31, 9, doing="generating")
+    assert dog.check() == []
+    clock.now += 5  # the generator's fetch has waited a second: it says so
+    write_report(tmp_path, "generator-0", 31, 9, doing="waiting for weights from the learner",
+                 waiting_for="learner")  # fmt: skip
+    assert dog.check() == []
+    clock.now += 25
+    assert [s.name for s in dog.check()] == ["learner"]
+
+
+def test_a_generator_starting_but_waiting_for_the_learner_does_not_excuse_the_learner(
+    tmp_path: Path,
+) -> None:
+    dog, clock, _ = watchdog(tmp_path)
+    dog.watch("learner", "learner", 32)
+    dog.watch("generator-0", "generator", 33)
+    write_report(
+        tmp_path, "learner", 32, 5, doing="waiting for a batch for step 3", waiting_for="generators"
+    )
+    write_report(tmp_path, "generator-0", 33, 0, doing="waiting for weights from the learner",
+                 waiting_for="learner")  # fmt: skip
+    assert dog.check() == []
+    clock.now += 30
+    assert [s.name for s in dog.check()] == ["learner"]
+
+
 def test_patience_a_role_asks_for_lengthens_its_allowance(tmp_path: Path) -> None:
     dog, clock, _ = watchdog(tmp_path)
     dog.watch("learner", "learner", 14)
