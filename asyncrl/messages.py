@@ -25,6 +25,8 @@ from typing import Annotated, ClassVar
 import msgspec
 import numpy as np
 
+from asyncrl.trajectory import WIRE_DTYPES
+
 SCHEMA_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 31
 """Default ceiling on one message (header plus frames); receivers may lower it."""
@@ -150,21 +152,16 @@ class TrajectoryMeta(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Trajectories(_Body, tag="trajectories"):
-    """Finished samples, token arrays concatenated in ``samples`` order.
+    """Finished samples, token columns concatenated in ``samples`` order.
 
     Sent by a generator (one group at a time) and, as a training batch, by the
     buffer to the learner, where ``stats`` carries the buffer's counters.
-    Each sample's token versions are its weight versions: the minimum is the
-    version its staleness is measured from.
+    A sample's staleness is measured from its oldest model token's version
+    (:func:`asyncrl.trajectory.trajectory_version`).
     """
 
-    ARRAYS: ClassVar[dict[str, str]] = {
-        "prompt_ids": "int32",
-        "response_ids": "int32",
-        "logprobs": "float32",
-        "token_versions": "int32",
-        "loss_mask": "uint8",
-    }
+    ARRAYS: ClassVar[dict[str, str]] = WIRE_DTYPES
+    """The token columns, declared in :mod:`asyncrl.trajectory`."""
     samples: list[TrajectoryMeta]
     stats: dict[str, float] = {}
     pool: str = ""

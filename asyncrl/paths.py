@@ -9,9 +9,17 @@ CHECKPOINTS = "checkpoints"
 BUFFER_STATE = "buffer.json"
 COMPLETE = "COMPLETE"
 """Written last into a checkpoint directory; one without it (a crash mid-save) is ignored."""
+FINAL = "final"
+"""The final policy, in Hugging Face format, written once ``run.total_steps`` are trained."""
+FINAL_EVAL = "eval.json"
+"""In ``RUN_DIR/final/``: the final eval round's metrics.jsonl line, or why there is none."""
 TRAINED_GROUPS = "trained_groups.jsonl"
 """One line per learner step: ``{"step": 4, "version": 5, "group_ids": [...]}`` (steps as in
 metrics.jsonl). After a resume, the last line of a step is the one that counts."""
+LEARNER_STORE_ENV = "ASYNCRL_LEARNER_STORE"
+"""The environment variable naming the file through which learner ranks on one machine
+form their process group (:func:`asyncrl.learner.distributed.init`); set by the launcher,
+in a private directory outside the run directory."""
 _STEP = re.compile(r"^step-(\d+)$")
 
 

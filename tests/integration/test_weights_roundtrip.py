@@ -162,7 +162,7 @@ def test_handed_over_tensors_are_served_without_a_copy(endpoint):
     publisher, client = endpoint
     state_dict = mixed_state()
     publisher.publish(state_dict, version=1, copy=False)
-    assert publisher._latest.buffers[1].data_ptr() == state_dict["big"].data_ptr()
+    assert publisher.snapshots.latest.buffers[1].data_ptr() == state_dict["big"].data_ptr()
     assert_same_state(client.fetch_newer(-1)[2], state_dict)
 
 
@@ -201,8 +201,8 @@ def test_idle_buffers_two_versions_back_are_reused_and_serve_the_new_values(endp
     for version in (1, 2, 3):
         publisher.publish(mixed_state(seed=version), version)
         if version == 1:
-            first_buffers = [b.data_ptr() for b in publisher._latest.buffers]
-    assert [b.data_ptr() for b in publisher._latest.buffers] == first_buffers
+            first_buffers = [b.data_ptr() for b in publisher.snapshots.latest.buffers]
+    assert [b.data_ptr() for b in publisher.snapshots.latest.buffers] == first_buffers
     assert_same_state(client.fetch_newer(2)[2], mixed_state(seed=3))
 
 

@@ -31,7 +31,7 @@ from asyncrl.messages import (
 )
 from asyncrl.security import client_context, generate_run_secret, role_password
 from asyncrl.transport import client_socket, free_port, tcp
-from asyncrl.weights import WeightClient, WeightPublisher
+from asyncrl.weights import WeightClient, WeightPublisher, zmq_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -130,7 +130,7 @@ def never_reading_socket(context: zmq.Context, endpoint: str) -> zmq.Socket:
 
 def held_chunk_replies(publisher: WeightPublisher) -> int:
     """Chunk replies libzmq holds: one piece per chunk here, each a tracked zero-copy frame."""
-    return sum(not tracker.done for tracker in publisher._latest.trackers)
+    return sum(not tracker.done for tracker in publisher.snapshots.latest.trackers)
 
 
 # --------------------------------------------------------------------------
@@ -156,7 +156,7 @@ def test_a_many_dimension_request_is_refused_cheaply_and_the_server_keeps_servin
         calls.append(sum(len(frame) for frame in args[0]))
         return decode(*args, **kwargs)
 
-    monkeypatch.setattr(weights, "decode", counting_decode)
+    monkeypatch.setattr(zmq_server, "decode", counting_decode)
     publisher.publish(state(), version=1)
 
     reply = ask(context, publisher.endpoint, frames)
@@ -217,8 +217,8 @@ def test_a_client_that_never_reads_gets_at_most_the_cap_of_chunk_replies_held(co
 
 
 def test_a_peer_that_stops_reading_is_dropped_and_what_it_pinned_is_released(context, monkeypatch):
-    monkeypatch.setattr(weights, "HEARTBEAT_INTERVAL_S", 0.2)
-    monkeypatch.setattr(weights, "HEARTBEAT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(zmq_server, "HEARTBEAT_INTERVAL_S", 0.2)
+    monkeypatch.setattr(zmq_server, "HEARTBEAT_TIMEOUT_S", 1.0)
     publisher = WeightPublisher(tcp("127.0.0.1", free_port()), chunk_bytes=1 << 20)
     never = never_reading_socket(context, publisher.endpoint)
     try:
@@ -244,7 +244,7 @@ def test_a_peer_that_holds_chunks_pins_only_the_tensors_they_are_cut_from(contex
     try:
         sent = {"a": torch.zeros(4 << 20), "b": torch.ones(1 << 20)}  # 16 + 4 chunks
         publisher.publish(sent, version=1)
-        first = [buffer.data_ptr() for buffer in publisher._latest.buffers]
+        first = [buffer.data_ptr() for buffer in publisher.snapshots.latest.buffers]
         for index in range(16):  # chunks of 'a' only
             never.send_multipart(encode(WeightsChunkRequest(1, index)))
         wait_until(lambda: held_chunk_replies(publisher) > 0)
@@ -253,7 +253,7 @@ def test_a_peer_that_holds_chunks_pins_only_the_tensors_they_are_cut_from(contex
         publisher.publish(sent, version=2)
         publisher.publish(sent, version=3)  # into the buffers of version 1 where it can
 
-        third = [buffer.data_ptr() for buffer in publisher._latest.buffers]
+        third = [buffer.data_ptr() for buffer in publisher.snapshots.latest.buffers]
         assert third[0] != first[0]  # zmq may still read 'a' of version 1: not overwritten
         assert third[1] == first[1]  # 'b' was reused: no fresh snapshot for one slow peer
         assert publisher.served["snapshot_not_reused"] == 1
@@ -311,7 +311,7 @@ def test_only_generators_get_weights_when_authentication_is_on(cluster, caplog):
 
 
 def test_a_message_without_a_role_is_refused_when_authentication_is_on(cluster, monkeypatch):
-    monkeypatch.setattr(weights, "peer_role", lambda frame: None)
+    monkeypatch.setattr(zmq_server, "peer_role", lambda frame: None)
     publisher = WeightPublisher(tcp("127.0.0.1", free_port()), chunk_bytes=1000, cluster=cluster)
     generator = client_context(cluster, "generator")
     try:

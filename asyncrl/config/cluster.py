@@ -1,0 +1,78 @@
+"""Where the endpoints listen and how peers reach and authenticate them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, StrictInt, model_validator
+
+from asyncrl.config.base import Section
+from asyncrl.envs.config import Float
+
+
+class ClusterConfig(Section):
+    """Where the endpoints listen and how peers reach them (see docs/security.md)."""
+
+    backend: Literal["local", "ray"] = "local"
+    """`local`: one process per role on this machine; `ray`: each role a Ray actor placed by
+    the resources it asks for (docs/ray.md)."""
+    address: str | None = None
+    """ray: the cluster to join (`auto`, `HOST:6379`); empty: a local Ray on 127.0.0.1."""
+    buffer_num_cpus: Float = Field(1.0, ge=0.0)
+    """ray: CPUs the buffer asks for; it is placed beside learner rank 0."""
+    host: str = "127.0.0.1"
+    """Address the roles connect to: the buffer's and learner's machine as the others reach it."""
+    bind: str | None = None
+    """Interface the buffer and weights endpoints listen on (`0.0.0.0`: all); empty: `host`.
+    Anything but loopback needs CURVE keys: `asyncrl keys RUN_DIR`."""
+    buffer_port: StrictInt = Field(0, ge=0, le=65535)
+    """0 picks a free port at launch."""
+    weights_port: StrictInt = Field(0, ge=0, le=65535)
+    curve: bool | Literal["auto"] = "auto"
+    """Encrypt and authenticate every connection with ZeroMQ CURVE; `auto`: when `bind`
+    is not loopback (it cannot be turned off there)."""
+    keys_dir: str | None = None
+    """Folder of the run's credentials: the per-run secret the launcher writes (loopback), or
+    the CURVE keys `asyncrl keys DIR` writes into DIR/keys; empty: RUN_DIR/keys."""
+    auth: bool = True
+    """Every peer proves it belongs to the run (loopback: a per-run secret; beyond: CURVE)
+    and is served only its role's requests. false: any local process may feed the learner
+    and read the weights (trusted single-user machines only; it cannot be turned off
+    beyond loopback)."""
+
+    @property
+    def bind_address(self) -> str:
+        return self.bind or self.host
+
+    @property
+    def binds_loopback(self) -> bool:
+        """True when only this machine can reach the endpoints; a host name counts as not."""
+        import ipaddress
+
+        address = self.bind_address.strip("[]")
+        if address == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(address).is_loopback
+        except ValueError:  # a host name or `*`: it may be reachable from anywhere
+            return False
+
+    @property
+    def uses_curve(self) -> bool:
+        return self.curve is True or not self.binds_loopback
+
+    @model_validator(mode="after")
+    def _curve_beyond_loopback(self) -> ClusterConfig:
+        if not self.auth and self.uses_curve:
+            raise ValueError(
+                f"cluster.auth=false with cluster.bind={self.bind_address}"
+                f"{' and cluster.curve=true' if self.curve is True else ''}: CURVE "
+                "authenticates every peer; drop cluster.auth, or bind to 127.0.0.1 without curve"
+            )
+        if self.curve is False and not self.binds_loopback:
+            raise ValueError(
+                f"cluster.curve=false with cluster.bind={self.bind_address}: an endpoint "
+                "other machines can reach must use CURVE keys; drop cluster.curve (auto) "
+                "and run `asyncrl keys RUN_DIR`, or bind to 127.0.0.1"
+            )
+        return self
