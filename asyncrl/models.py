@@ -22,8 +22,8 @@ from transformers import (
     Qwen2Config,
 )
 
+from asyncrl.char_tokenizer import build_tokenizer
 from asyncrl.config import ModelConfig
-from asyncrl.tasks import build_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -23,29 +23,19 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # imported lazily: reward worker processes import this module for digits_score
+# The tokenizer and the task's reward live in their own modules (the tiny model and the
+# reward workers need them without the rest of this one); imported from here as before.
+from asyncrl.char_tokenizer import build_tokenizer
+from asyncrl.rewards import REWARD_FUNCTIONS as REWARD_FUNCTIONS
+from asyncrl.rewards import check_reward_sources
+from asyncrl.rewards import digits_score as digits_score
+
+if TYPE_CHECKING:  # imported lazily: the buffer imports this module, and needs no transformers
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
     from asyncrl.config import Config, TaskConfig
     from asyncrl.data import PromptDataset, PromptRow
     from asyncrl.messages import WorkItem
-
-SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
-CHARACTERS = list("0123456789=+-*/ ")
-
-
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer over digits and a few symbols, built in code."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
-    )
 
 
 @dataclass(frozen=True)
@@ -86,15 +76,6 @@ class DigitsTask:
 
     def encode_prompt(self, prompt: Prompt, tokenizer: PreTrainedTokenizerFast) -> list[int]:
         return [tokenizer.bos_token_id, *tokenizer.encode(prompt.text, add_special_tokens=False)]
-
-
-def digits_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None) -> float:
-    """Fraction of answer positions right, over the longer of answer and response."""
-    response = solution_str.strip()
-    if not response:
-        return 0.0
-    hits = sum(a == b for a, b in zip(response, ground_truth, strict=False))
-    return hits / max(len(response), len(ground_truth))
 
 
 def eval_digits(config: Config) -> list[str]:
@@ -161,7 +142,6 @@ def work_item_factory(config: Config) -> Callable[[int], WorkItem]:
 def _checked_dataset(config: Config, files: list[str], shuffle: bool) -> PromptDataset:
     """Prompt files read with the policy's tokenizer, each data source with a reward function."""
     from asyncrl.data import PromptDataset
-    from asyncrl.rewards import check_reward_sources
 
     dataset = PromptDataset(
         files,
@@ -217,13 +197,3 @@ def prompt_tokenizer(config: Config) -> PreTrainedTokenizerBase:
     from asyncrl.models import load_tokenizer
 
     return load_tokenizer(config.model.name_or_path)
-
-
-def __getattr__(name: str):
-    # ``REWARD_FUNCTIONS`` is the registry of asyncrl.rewards (data_source -> function),
-    # looked up lazily because that module imports ``digits_score`` from this one.
-    if name == "REWARD_FUNCTIONS":
-        from asyncrl.rewards import REWARD_FUNCTIONS
-
-        return REWARD_FUNCTIONS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,20 +18,18 @@ carry the new version (partial rollouts). Nothing computed with older weights
 Two engines implement it: :class:`~asyncrl.generators.hf_backend.HFBackend`
 (transformers ``generate``, the CPU default) and
 :class:`~asyncrl.generators.vllm_backend.VLLMBackend` (vLLM's engine, an
-optional extra). :func:`build_backend` picks one from ``generators.backend``.
+optional extra). :func:`asyncrl.generators.engines.build_backend` picks one from
+``generators.backend``; this module imports neither.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
-
-    from asyncrl.config import Config
 
 
 @dataclass
@@ -181,30 +179,3 @@ def append_tokens(
         if len(rollout.response_ids) >= limit:
             rollout.finish_reason = "length"
             return
-
-
-def build_backend(
-    config: Config,
-    model: torch.nn.Module,
-    tokenizer,
-    work_dir: Path,
-    seed: int = 0,
-) -> Backend:
-    """The engine ``config.generators.backend`` names, holding ``model``'s weights as version 0.
-
-    ``work_dir`` is this replica's own directory: the vLLM backend writes the
-    model there (vLLM loads a model from a directory) and its weight updates
-    pass through it. vLLM is imported only here, only when asked for.
-    """
-    generators = config.generators
-    if generators.backend == "hf":
-        from asyncrl.generators.hf_backend import HFBackend
-
-        return HFBackend(model, tokenizer, generators)
-    if generators.backend == "vllm":
-        from asyncrl.generators.vllm_backend import VLLMBackend
-
-        return VLLMBackend.from_model(
-            model, tokenizer, generators, work_dir, dtype=config.model.dtype, seed=seed
-        )
-    raise ValueError(f"unknown generators.backend {generators.backend!r}")

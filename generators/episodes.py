@@ -9,7 +9,7 @@ turns, the environment answers them, and the rollout grows as one token sequence
           └── reply tokens appended ◀────────┘ (or the episode is over: scored, a sample)
 
 Each sample of a group is its own episode with a fresh environment
-(:func:`asyncrl.envs.config.environment_factory`), driven by an
+(:func:`asyncrl.envs.factory.environment_factory`), driven by an
 :class:`~asyncrl.envs.rollout.EpisodeRunner`, which owns the token rules:
 the prefix never changes, model tokens have loss mask 1 and their own
 log-probs and versions, environment tokens mask 0, log-prob 0, version -1.
@@ -51,13 +51,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.envs.base import ScoreRequest
-from asyncrl.envs.config import EnvironmentConfig, environment_factory
+from asyncrl.envs.config import EnvironmentConfig
+from asyncrl.envs.factory import environment_factory
 from asyncrl.envs.formatting import Codec, build_formatter
-from asyncrl.envs.rollout import ENV_VERSION, EpisodeRunner
+from asyncrl.envs.rollout import EpisodeRunner
 from asyncrl.envs.threads import Job, StepPool
 from asyncrl.generators.backend import Rollout
 from asyncrl.messages import WorkItem
 from asyncrl.rewards import RewardScorer, Score
+from asyncrl.trajectory import ENV_VERSION
 
 log = logging.getLogger("asyncrl.episodes")
 

@@ -50,7 +50,8 @@ import zmq
 from asyncrl import progress
 from asyncrl.config import Config
 from asyncrl.envs.formatting import TemplateFormatError, TemplateFormatter, build_formatter
-from asyncrl.generators.backend import Backend, Rollout, build_backend
+from asyncrl.generators.backend import Backend, Rollout
+from asyncrl.generators.engines import build_backend
 from asyncrl.generators.episodes import Episodes
 from asyncrl.generators.liveness import HeartbeatThread
 from asyncrl.messages import (
@@ -69,6 +70,7 @@ from asyncrl.models import build_policy
 from asyncrl.paths import replica_name
 from asyncrl.rewards import RewardScorer, Score
 from asyncrl.security import GENERATOR, client_context
+from asyncrl.trajectory import build_columns
 from asyncrl.transport import RequestClient, tcp
 from asyncrl.weights import WeightClient
 
@@ -355,6 +357,7 @@ class GeneratorReplica:
     def package(
         self, rollouts: list[Rollout], scores: list[Score]
     ) -> tuple[list[TrajectoryMeta], dict[str, np.ndarray]]:
+        """Finished rollouts and their scores as one message's metas and token columns."""
         now = time.time()
         metas = []
         for r, (reward, error, _) in zip(rollouts, scores, strict=True):
@@ -375,18 +378,7 @@ class GeneratorReplica:
                     eval_round=eval_round,
                 )
             )
-        arrays = {
-            "prompt_ids": np.concatenate([np.asarray(r.prompt_ids, np.int32) for r in rollouts]),
-            "response_ids": np.concatenate(
-                [np.asarray(r.response_ids, np.int32) for r in rollouts]
-            ),
-            "logprobs": np.concatenate([np.asarray(r.logprobs, np.float32) for r in rollouts]),
-            "token_versions": np.concatenate(
-                [np.asarray(r.token_versions, np.int32) for r in rollouts]
-            ),
-            "loss_mask": np.concatenate([np.asarray(r.loss_mask, np.uint8) for r in rollouts]),
-        }
-        return metas, arrays
+        return metas, build_columns(rollouts).to_wire()
 
 
 def template_end_of_turn(tokenizer) -> list[str]:

@@ -9,66 +9,92 @@ See ``docs/environments.md``. The pieces, one job each:
 - :mod:`.formatting`: turn formatters and the text/token codec;
 - :mod:`.rollout`: the driver that builds the one token sequence;
 - :mod:`.threads`: the threads environments run on, which a stuck call may leave;
-- :mod:`.loading`, :mod:`.config`: plug-ins by name, the config section.
+- :mod:`.loading`, :mod:`.factory`: plug-ins by name, environments built from config;
+- :mod:`.config`: the config section, a schema only.
+
+Names are imported from their modules on first use, so that importing one module
+(the config schema imports :mod:`.config`) does not load the others (the sandbox).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from asyncrl.envs.base import Environment, Message, ScoreRequest, StepResult
-from asyncrl.envs.config import EnvironmentConfig, environment_factory
-from asyncrl.envs.formatting import ChatMLFormatter, Codec, PlainTextFormatter, TurnFormatter
-from asyncrl.envs.loading import PluginError, load_object
-from asyncrl.envs.rollout import EpisodeRunner, Trajectory, TurnRequest, run_episode
-from asyncrl.envs.sandbox import (
-    Sandbox,
-    SandboxResult,
-    SandboxUnavailable,
-    check_isolation,
-    check_isolation_for,
-)
-from asyncrl.envs.threads import StepPool
-from asyncrl.envs.tool_calls import (
-    HermesToolCallParser,
-    ParsedTurn,
-    ToolCall,
-    ToolCallError,
-    ToolCallParser,
-)
-from asyncrl.envs.tool_env import ToolEnvironment
-from asyncrl.envs.tools import Tool, ToolError
+if TYPE_CHECKING:
+    from asyncrl.envs.base import Environment, Message, ScoreRequest, StepResult
+    from asyncrl.envs.config import EnvironmentConfig
+    from asyncrl.envs.factory import BUILTIN_ENVIRONMENTS, environment_factory, load_environment
+    from asyncrl.envs.formatting import ChatMLFormatter, Codec, PlainTextFormatter, TurnFormatter
+    from asyncrl.envs.loading import PluginError, load_object
+    from asyncrl.envs.rollout import EpisodeRunner, Trajectory, TurnRequest, run_episode
+    from asyncrl.envs.sandbox import (
+        Sandbox,
+        SandboxResult,
+        SandboxUnavailable,
+        check_isolation,
+        check_isolation_for,
+    )
+    from asyncrl.envs.threads import StepPool
+    from asyncrl.envs.tool_calls import (
+        HermesToolCallParser,
+        ParsedTurn,
+        ToolCall,
+        ToolCallError,
+        ToolCallParser,
+    )
+    from asyncrl.envs.tool_env import ToolEnvironment
+    from asyncrl.envs.tools import Tool, ToolError
 
-BUILTIN_ENVIRONMENTS = {"tools": ToolEnvironment}
+_EXPORTS = {
+    "Environment": "base",
+    "Message": "base",
+    "ScoreRequest": "base",
+    "StepResult": "base",
+    "EnvironmentConfig": "config",
+    "BUILTIN_ENVIRONMENTS": "factory",
+    "check_isolation_for": "sandbox",
+    "environment_factory": "factory",
+    "load_environment": "factory",
+    "ChatMLFormatter": "formatting",
+    "Codec": "formatting",
+    "PlainTextFormatter": "formatting",
+    "TurnFormatter": "formatting",
+    "PluginError": "loading",
+    "load_object": "loading",
+    "EpisodeRunner": "rollout",
+    "Trajectory": "rollout",
+    "TurnRequest": "rollout",
+    "run_episode": "rollout",
+    "Sandbox": "sandbox",
+    "SandboxResult": "sandbox",
+    "SandboxUnavailable": "sandbox",
+    "check_isolation": "sandbox",
+    "StepPool": "threads",
+    "HermesToolCallParser": "tool_calls",
+    "ParsedTurn": "tool_calls",
+    "ToolCall": "tool_calls",
+    "ToolCallError": "tool_calls",
+    "ToolCallParser": "tool_calls",
+    "ToolEnvironment": "tool_env",
+    "Tool": "tools",
+    "ToolError": "tools",
+}
+"""Each public name and the submodule that defines it."""
 
 
-def load_environment(spec: str, **kwargs: Any) -> Environment:
-    """A new environment: ``"tools"``, ``"module:Class"`` or ``"path/to/file.py:Class"``,
-    constructed with ``kwargs``. Raises :class:`PluginError` with a readable message."""
-    if spec in BUILTIN_ENVIRONMENTS:
-        cls = BUILTIN_ENVIRONMENTS[spec]
-    else:
-        if ":" not in spec:
-            raise PluginError(
-                f"environment {spec!r}: expected one of {', '.join(BUILTIN_ENVIRONMENTS)}, "
-                f"'module:Class' or 'path/to/file.py:Class'"
-            )
-        cls = load_object(spec, what="environment")
-    if not isinstance(cls, type):
-        raise PluginError(f"environment {spec!r} is a {type(cls).__name__}, not a class")
-    if not issubclass(cls, Environment) and not (
-        callable(getattr(cls, "reset", None)) and callable(getattr(cls, "step", None))
-    ):
-        raise PluginError(
-            f"environment {spec!r}: {cls.__name__} neither subclasses "
-            f"asyncrl.envs.Environment nor has reset(row) and step(response)"
-        )
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:
-        raise PluginError(
-            f"environment {spec!r}: {cls.__name__}(**{sorted(kwargs)}) failed: {exc}"
-        ) from exc
+def __getattr__(name: str) -> Any:
+    """``asyncrl.envs.X``: import the submodule that defines ``X`` now, once."""
+    submodule = _EXPORTS.get(name)
+    if submodule is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{submodule}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
 
 
 __all__ = [

@@ -1,18 +1,16 @@
-"""The ``environment`` config section, and building environments from it.
+"""The ``environment`` config section: a schema, and nothing that runs.
 
 ``Config.environment`` is None for single-turn runs; set, every sample is an
-episode driven by the generator (:mod:`asyncrl.generators.episodes`).
+episode driven by the generator (:mod:`asyncrl.generators.episodes`). The config
+schema imports this module, so it imports no environment, tool or sandbox: the
+environments are built from it by :mod:`asyncrl.envs.factory`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator
-
-from asyncrl.envs.base import Environment
-from asyncrl.envs.sandbox import ISOLATIONS, Sandbox
 
 DAY_S = 24 * 3600.0
 """Upper bound of timeouts: a longer one is a mistake, and huge ones overflow rlimits and timers."""
@@ -24,6 +22,10 @@ def _not_a_bool(value: Any) -> Any:
         raise ValueError(f"expected a number, got {value!r}")
     return value
 
+
+Isolation = Literal["bubblewrap", "none"]
+ISOLATIONS: tuple[str, ...] = get_args(Isolation)
+"""The python tool's isolations; the sandbox (:mod:`asyncrl.envs.sandbox`) knows the same."""
 
 Float = Annotated[float, BeforeValidator(_not_a_bool)]
 """A float setting: ints and numeric strings (YAML reads `1e-3` as one) pass, booleans do not."""
@@ -45,7 +47,7 @@ class EnvironmentConfig(BaseModel):
     """Wall-clock limit of one `python` tool call."""
     python_memory_mb: StrictInt = Field(512, ge=16, le=1_048_576)
     """Address-space limit of one `python` tool call."""
-    python_isolation: Literal["bubblewrap", "none"] = "bubblewrap"
+    python_isolation: Isolation = "bubblewrap"
     """How the `python` tool isolates model-written code: `bubblewrap` (namespaces,
     a read-only minimal filesystem, seccomp, rlimits; the launcher refuses to start
     when it cannot be set up) or `none` (a plain subprocess with rlimits: trusted
@@ -85,56 +87,23 @@ class EnvironmentConfig(BaseModel):
         return value
 
 
-def environment_factory(
-    config: EnvironmentConfig, *, defer_score: bool = False
-) -> Callable[[], Environment]:
-    """A function making a fresh environment per episode; resolves the plug-in now,
-    so a bad name fails at start-up, not at the first episode.
-
-    ``defer_score``: the built-in `tools` environment ends an episode with a
-    :class:`~asyncrl.envs.base.ScoreRequest` when its reward function has a name,
-    for the caller's reward workers to score (the generator replica asks for this)."""
-    from asyncrl.envs import load_environment
-    from asyncrl.envs.tools import python_tool
-
-    if config.name == "tools":
-        kwargs = {**_tools_kwargs(config), "defer_score": defer_score}
-        sandbox = python_sandbox(config)
-        if sandbox is not None:
-            # One python tool, with the configured isolation, for every episode.
-            tool = python_tool(sandbox=sandbox)
-            kwargs["tools"] = [tool if entry == "python" else entry for entry in kwargs["tools"]]
-    else:
-        kwargs = dict(config.kwargs)
-    load_environment(config.name, **kwargs)  # fail early
-    return lambda: load_environment(config.name, **kwargs)
-
-
-def _tools_kwargs(config: EnvironmentConfig) -> dict[str, Any]:
-    """The constructor arguments of the built-in `tools` environment."""
-    return {
+def python_tool_limits(config: EnvironmentConfig) -> dict[str, Any] | None:
+    """``timeout_s``, ``memory_mb`` and ``isolation`` of the sandbox the built-in `python`
+    tool of this environment runs code in (the tools' own ``kwargs`` win, as they do
+    when the environment is built); None when it has no such tool (a `module:Class`
+    environment, or `tools` without `python`)."""
+    if config.name != "tools":
+        return None
+    settings = {
         "tools": list(config.tools),
-        "max_turns": config.max_turns,
         "python_timeout_s": config.python_timeout_s,
         "python_memory_mb": config.python_memory_mb,
         **config.kwargs,
     }
-
-
-def python_sandbox(config: EnvironmentConfig) -> Sandbox | None:
-    """The :class:`~asyncrl.envs.sandbox.Sandbox` the built-in `python` tool of this
-    environment runs code in; None when the environment has no such tool (a
-    `module:Class` environment, or `tools` without `python`). Building one with
-    `python_isolation: none` logs the warning."""
-    if config.name != "tools":
+    if "python" not in settings["tools"]:
         return None
-    kwargs = _tools_kwargs(config)
-    if "python" not in kwargs["tools"]:
-        return None
-    from asyncrl.envs.tools import python_sandbox_for
-
-    return python_sandbox_for(
-        timeout_s=kwargs["python_timeout_s"],
-        memory_mb=kwargs["python_memory_mb"],
-        isolation=config.python_isolation,
-    )
+    return {
+        "timeout_s": settings["python_timeout_s"],
+        "memory_mb": settings["python_memory_mb"],
+        "isolation": config.python_isolation,
+    }

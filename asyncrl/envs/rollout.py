@@ -42,9 +42,7 @@ from typing import Any
 
 from asyncrl.envs.base import Environment, ScoreRequest
 from asyncrl.envs.formatting import ChatMLFormatter, Codec, TurnFormatter
-
-ENV_VERSION = -1
-"""The version recorded for environment tokens (they come from no weights)."""
+from asyncrl.trajectory import ENV_VERSION, trajectory_version
 
 Generate = Callable[[list[int], int, list[str]], tuple]
 
@@ -58,7 +56,7 @@ class Trajectory:
     logprobs: list[float]
     """Behavior log-probs of the response tokens; 0 for environment tokens."""
     versions: list[int]
-    """Weight version of each response token; -1 for environment tokens."""
+    """Weight version of each response token; ``ENV_VERSION`` (-1) for environment tokens."""
     prompt_len: int
     num_turns: int
     """Model turns taken."""
@@ -79,12 +77,11 @@ class Trajectory:
         return self.token_ids[self.prompt_len :]
 
     @property
-    def min_version(self) -> int | None:
-        """Oldest weight version among the model's tokens (None if it made none).
-
-        Environment tokens carry -1 and must not count towards staleness."""
-        model = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
-        return min(model) if model else None
+    def min_version(self) -> int:
+        """Oldest weight version among the model's tokens, by the one rule the buffer and
+        the learner use too (:func:`asyncrl.trajectory.trajectory_version`): environment
+        tokens carry ``ENV_VERSION`` and do not count; ``UNVERSIONED`` if it has none."""
+        return trajectory_version(self.versions)
 
 
 @dataclass(frozen=True)

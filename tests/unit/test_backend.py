@@ -14,7 +14,8 @@ from asyncrl.config import (
     load_config,
 )
 from asyncrl.generators import backend as contract
-from asyncrl.generators.backend import Backend, Rollout, StopStrings, append_tokens, build_backend
+from asyncrl.generators.backend import Backend, Rollout, StopStrings, append_tokens
+from asyncrl.generators.engines import build_backend
 from asyncrl.generators.hf_backend import HFBackend
 from asyncrl.models import build_policy
 from asyncrl.tasks import build_tokenizer

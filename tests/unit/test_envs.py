@@ -444,7 +444,7 @@ def test_environment_config_and_factory():
 
 def test_the_python_tools_isolation_setting(caplog):
     from asyncrl.envs import check_isolation_for
-    from asyncrl.envs.config import python_sandbox
+    from asyncrl.envs.factory import python_sandbox
 
     config = EnvironmentConfig(name="tools", python_timeout_s=2, python_memory_mb=128)
     assert config.python_isolation == "bubblewrap"
@@ -472,9 +472,9 @@ def test_check_isolation_for_refuses_when_bubblewrap_is_missing(monkeypatch):
     from types import SimpleNamespace
 
     from asyncrl.envs import SandboxUnavailable, check_isolation_for
-    from asyncrl.envs import sandbox as sandbox_module
+    from asyncrl.envs.sandbox import runner as sandbox_runner
 
-    monkeypatch.setattr(sandbox_module, "_which", lambda name: None)
+    monkeypatch.setattr(sandbox_runner, "bwrap_path", lambda name: None)
     run = SimpleNamespace(environment=EnvironmentConfig(name="tools", tools=["python"]))
     with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap"):
         check_isolation_for(run)

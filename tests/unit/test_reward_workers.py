@@ -11,7 +11,8 @@ import textwrap
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.rewards import RewardScorer, Score, _decode_reply, _take_frames
+from asyncrl.rewards import RewardScorer, Score
+from asyncrl.rewards.channel import decode_reply, take_frames
 
 ROGUE_FUNCTIONS = """
 import os
@@ -210,7 +211,7 @@ def test_only_finite_real_numbers_are_rewards(rogue):
 
 def test_frames_that_came_before_garbage_are_still_taken():
     inbox = bytearray(_frame(b'["ready"]') + _frame(b"[]") + b"abc" + bytes(8))
-    frames = _take_frames(inbox)
+    frames = take_frames(inbox)
     assert next(frames) == b'["ready"]'
     assert next(frames) == b"[]"
     with pytest.raises(ValueError, match="replies are at most"):
@@ -219,9 +220,9 @@ def test_frames_that_came_before_garbage_are_still_taken():
 
 def test_a_partial_frame_waits_for_the_rest():
     inbox = bytearray(_frame(b'["ready"]')[:-2])
-    assert list(_take_frames(inbox)) == []
+    assert list(take_frames(inbox)) == []
     inbox += b'"]'
-    assert list(_take_frames(inbox)) == [b'["ready"]']
+    assert list(take_frames(inbox)) == [b'["ready"]']
     assert inbox == b""
 
 
@@ -235,7 +236,7 @@ def test_a_partial_frame_waits_for_the_rest():
     ],
 )
 def test_well_formed_replies_are_read(payload, message):
-    assert _decode_reply(payload) == message
+    assert decode_reply(payload) == message
 
 
 @pytest.mark.parametrize(
@@ -258,4 +259,4 @@ def test_well_formed_replies_are_read(payload, message):
 )
 def test_anything_else_is_refused(payload):
     with pytest.raises(ValueError):
-        _decode_reply(payload)
+        decode_reply(payload)

@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from asyncrl.envs import sandbox as sandbox_module
 from asyncrl.envs.sandbox import Sandbox, SandboxUnavailable, check_isolation
+from asyncrl.envs.sandbox import interpreter as sandbox_interpreter
 from asyncrl.envs.tools import format_sandbox_output
 
 FAST = {"timeout_s": 1.5, "memory_mb": 256}
@@ -353,12 +353,12 @@ def test_the_sandbox_interpreter_is_one_the_sandbox_user_can_reach(tmp_path):
     (private / "python").write_text("")
     (private / "python").chmod(0o755)
     if os.geteuid() == 0:
-        assert not sandbox_module._can_reach(str(private / "python"), 65534, 65534, os.X_OK)
-    assert sandbox_module._can_reach("/usr/bin/env", 65534, 65534, os.X_OK)
+        assert not sandbox_interpreter._can_reach(str(private / "python"), 65534, 65534, os.X_OK)
+    assert sandbox_interpreter._can_reach("/usr/bin/env", 65534, 65534, os.X_OK)
     python = Sandbox().python
     uid, gid = (65534, 65534) if os.geteuid() == 0 else (None, None)
-    assert sandbox_module._can_reach(python, uid, gid, os.R_OK | os.X_OK)
-    assert python in (os.path.realpath(sys.executable), sandbox_module.FALLBACK_PYTHON)
+    assert sandbox_interpreter._can_reach(python, uid, gid, os.R_OK | os.X_OK)
+    assert python in (os.path.realpath(sys.executable), sandbox_interpreter.FALLBACK_PYTHON)
     result = Sandbox(**FAST).run("import sys\nprint(sys.executable, sys.flags.isolated)")
     assert result.stdout == f"{python} 1\n", result
 

@@ -13,7 +13,7 @@ import pytest
 from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.envs import ToolEnvironment
-from asyncrl.envs.config import environment_factory
+from asyncrl.envs.factory import environment_factory
 from asyncrl.rewards import REWARD_FUNCTIONS, check_reward_sources
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -1,0 +1,100 @@
+"""Run model-written Python in a disposable sandbox: bubblewrap, seccomp, rlimits.
+
+``Sandbox(timeout_s=2, memory_mb=256).run("print(1 + 1)")`` returns a
+:class:`SandboxResult` with the captured output. The model's code is treated as
+hostile. With ``isolation="bubblewrap"`` (the default) each call runs under
+`bubblewrap <https://github.com/containers/bubblewrap>`_ (``bwrap``):
+
+- **a separate user**: when this process is root, ``bwrap`` is started as an
+  unprivileged host user (``user``/``group``, default 65534 "nobody", no
+  supplementary groups) and builds its namespaces as that user; when this
+  process is not root (or ``user=None``) the kernel user stays this process's
+  own and the namespaces below are the walls;
+- **namespaces**: new user (uid/gid 65534 inside, no capabilities, no nested user
+  namespaces), pid (the code sees only its own processes and cannot signal
+  anything outside; every process it starts dies with the call), network
+  (no interfaces, not even loopback), ipc, uts and cgroup namespaces;
+- **a minimal read-only filesystem**: ``/usr`` read-only (``/bin``, ``/lib``,
+  ``/lib64`` link into it, as on the host; where the host has directories there
+  they are bound read-only), ``/etc/ld.so.cache`` and nothing else of ``/etc``;
+  the interpreter's own install tree read-only when it is outside ``/usr``;
+  every ``site-packages``/``dist-packages`` directory hidden under an empty
+  read-only tmpfs; a fresh ``/proc`` and a minimal ``/dev``; a private
+  ``/tmp`` (the working directory and ``HOME``, ``tmp_mb`` in size) and
+  ``/dev/shm`` (``shm_mb``), gone when the call ends. No host directory is
+  visible to it: not ``/home``, ``/root``, the run directory, the venv;
+- **seccomp**: a BPF filter (built once per process with libseccomp through
+  ``pyseccomp``) refusing with ``EPERM`` the system calls a program here never
+  needs (``ptrace``, ``mount``, ``unshare``/``setns``/``clone`` with namespace
+  flags, ``bpf``, ``keyctl``, ``io_uring``, ``perf_event_open``, module and
+  ``kexec`` calls, sockets of any family but ``AF_UNIX``, ...) and killing
+  calls through a foreign syscall ABI;
+- **rlimits** set by a stdlib-only prelude before the code runs:
+  ``RLIMIT_AS`` (``memory_mb``), ``RLIMIT_CPU``, ``RLIMIT_FSIZE``
+  (``max_file_mb``), no core dumps, ``RLIMIT_NPROC`` (``max_processes``) and
+  ``RLIMIT_NOFILE`` (``max_open_files``);
+- ``--die-with-parent``, ``--new-session``, an empty environment plus ``PATH``,
+  ``HOME``, ``TMPDIR`` and ``LANG``; the code comes in through a memfd copied
+  to ``/tmp/main.py``.
+
+The wall-clock limit kills ``bwrap``'s process group, which takes the pid
+namespace, and so everything the code started, with it. stdout and stderr
+are each truncated to ``max_output_bytes`` (the rest is read and discarded,
+so a flood of output neither blocks nor fills memory). ``SandboxResult.layers``
+lists what was applied.
+
+Never weaker than configured: when ``bwrap`` is missing, cannot build its
+namespaces, or the seccomp filter cannot be built, :meth:`Sandbox.run` does not
+run the code; it returns a result with ``returncode=None`` whose ``stderr`` says
+why. :func:`check_isolation` and :func:`check_isolation_for` raise
+:class:`SandboxUnavailable` with that reason, for a launcher to refuse to start.
+
+``isolation="none"`` is the opt-out for trusted code only: a plain subprocess
+of this process's user with the rlimits above (not ``RLIMIT_NPROC``) and a
+scratch directory as its working directory, no other wall. Building such a
+sandbox logs a warning every time.
+
+Everything runs without ``preexec_fn``, so :meth:`Sandbox.run` is safe to call
+from several threads at once.
+
+One job per module: :mod:`.runner` (:class:`Sandbox`, a call from start to
+result), :mod:`.bwrap` (the command line and bwrap's status), :mod:`.seccomp`
+(the filter), :mod:`.limits` (the rlimits and the prelude that sets them),
+:mod:`.interpreter` (which interpreter, what of the host it sees),
+:mod:`.process` (output capping, the kill), :mod:`.result`, :mod:`.checks`.
+"""
+
+from asyncrl.envs.sandbox.bwrap import NAMESPACE_KEYS, SANDBOX_PATH, SANDBOX_UID
+from asyncrl.envs.sandbox.checks import check_isolation, check_isolation_for
+from asyncrl.envs.sandbox.interpreter import (
+    FALLBACK_PYTHON,
+    default_python,
+    interpreter_layout,
+    root_links,
+)
+from asyncrl.envs.sandbox.limits import PRELUDE
+from asyncrl.envs.sandbox.result import INSTALL_HINT, SandboxResult, SandboxUnavailable
+from asyncrl.envs.sandbox.runner import ISOLATIONS, Isolation, Sandbox, run_python
+from asyncrl.envs.sandbox.seccomp import DENIED_SYSCALLS, seccomp_program
+
+__all__ = [
+    "DENIED_SYSCALLS",
+    "FALLBACK_PYTHON",
+    "INSTALL_HINT",
+    "ISOLATIONS",
+    "NAMESPACE_KEYS",
+    "PRELUDE",
+    "SANDBOX_PATH",
+    "SANDBOX_UID",
+    "Isolation",
+    "Sandbox",
+    "SandboxResult",
+    "SandboxUnavailable",
+    "check_isolation",
+    "check_isolation_for",
+    "default_python",
+    "interpreter_layout",
+    "root_links",
+    "run_python",
+    "seccomp_program",
+]

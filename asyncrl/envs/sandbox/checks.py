@@ -1,0 +1,61 @@
+"""Checks for a launcher: refuse to start a run whose sandbox cannot run code."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from typing import Any
+
+from asyncrl.envs.sandbox.result import SandboxUnavailable
+from asyncrl.envs.sandbox.runner import Sandbox
+
+_CHECKED: set[Sandbox] = set()
+_CHECKED_LOCK = threading.Lock()
+
+
+def check_isolation(sandbox: Sandbox | None = None) -> None:
+    """Raise :class:`SandboxUnavailable` (one line: what is wrong, how to fix it)
+    unless ``sandbox`` (default ``Sandbox()``) can run code with the isolation it
+    is configured for: the static checks of :meth:`Sandbox.unavailable`, then
+    ``print(1)`` run in it once. Nothing to check for ``isolation="none"``. A
+    sandbox that passed is not probed again in this process."""
+    sandbox = sandbox if sandbox is not None else Sandbox()
+    if sandbox.isolation == "none":
+        return
+    with _CHECKED_LOCK:
+        if sandbox in _CHECKED:
+            return
+    problem = sandbox.unavailable()
+    if problem is not None:
+        raise SandboxUnavailable(f"the python tool's sandbox cannot run: {problem}")
+    probe = replace(
+        sandbox, timeout_s=max(sandbox.timeout_s, 10.0), memory_mb=max(sandbox.memory_mb, 64)
+    )
+    result = probe.run("print(1)")
+    if result.stdout != "1\n" or result.returncode != 0:
+        why = " ".join(result.notes) or " ".join(
+            (result.stderr.strip() or f"exit code {result.returncode}").split()
+        )
+        if result.timed_out:
+            why = f"the probe print(1) timed out after {probe.timeout_s:g}s"
+        raise SandboxUnavailable(f"the python tool's sandbox cannot run: {why}")
+    with _CHECKED_LOCK:
+        _CHECKED.add(sandbox)
+
+
+def check_isolation_for(config: Any) -> None:
+    """:func:`check_isolation` for the sandbox a run's config gives the built-in
+    ``python`` tool (``Config.environment``, or an ``EnvironmentConfig``). Returns
+    None without probing when no environment uses that tool or its isolation is
+    ``none`` (the tool logs its warning when built); raises
+    :class:`SandboxUnavailable` otherwise, when the probe fails."""
+    from asyncrl.envs.config import EnvironmentConfig, python_tool_limits
+
+    environment = config if isinstance(config, EnvironmentConfig) else config.environment
+    if environment is None:
+        return None
+    limits = python_tool_limits(environment)  # the schema's; building the tool would import us
+    if limits is None or limits["isolation"] == "none":
+        return None
+    check_isolation(Sandbox(**limits))
+    return None
