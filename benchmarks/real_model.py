@@ -33,7 +33,7 @@ the code a run executes:
   difference over every response token. Engines: HF fp32, vLLM in
   ``--vllm-dtype`` (float32: what a run with ``model.dtype: float32`` gives it),
   HF in bfloat16 (``model.dtype=bfloat16``).
-- publish: the learner's ``publish`` (``learner/trainer.py``: ``full_tensors`` and
+- publish: the learner's ``publish`` (``learner/publisher.py``: ``full_tensors`` and
   ``WeightPublisher.publish``, the stall a run logs as ``time_publish_stall_s``)
   ``--publishes`` times; after each, an HF replica in another process fetches the
   version with ``WeightClient.fetch_newer`` over loopback TCP (fresh buffers, as
@@ -203,7 +203,7 @@ class Learners:
     def get(self, precision: str, initial: bool = False):
         """The learner of ``precision``; with ``initial``, one still holding the model's
         own weights (a trained one is dropped and built again)."""
-        from asyncrl.learner.trainer import Learner
+        from asyncrl.learner.policy import Learner
 
         if initial and precision in self.trained:
             self.built.pop(precision, None)
@@ -650,7 +650,7 @@ def part_logprobs(args, engines: Engines, learners: Learners, prompts: Prompts) 
 
 
 def part_publish(args, engines: Engines, learners: Learners) -> dict:
-    from asyncrl.learner.trainer import publish
+    from asyncrl.learner.publisher import Publisher
     from asyncrl.transport import free_port, tcp
     from asyncrl.weights import WeightPublisher
 
@@ -675,14 +675,14 @@ def part_publish(args, engines: Engines, learners: Learners) -> dict:
     weights_publish.trim_memory()
     torch.set_num_threads(threads)
     publisher = WeightPublisher(tcp("127.0.0.1", free_port("127.0.0.1")))
-    main = SimpleNamespace(publisher=publisher)  # what the learner's publish() uses of rank 0
-    trained_steps = learner.step
+    publishing = Publisher(learner, learner.config, publisher)
+    trained_version = learner.version
     runs = []
     try:
         for version in range(1, args.publishes + 1):
-            learner.step = version  # publish() sends learner.version
+            learner.version = version  # publish() sends learner.version
             started = time.monotonic()
-            stall = publish(learner, main)
+            stall = publishing.publish()
             published = time.monotonic()
             reply = replica.call("sync", publisher.endpoint)
             if reply["version"] != version:
@@ -705,7 +705,7 @@ def part_publish(args, engines: Engines, learners: Learners) -> dict:
                 flush=True,
             )
     finally:
-        learner.step = trained_steps
+        learner.version = trained_version
         served = dict(publisher.served)
         publisher.close()
     stalls = [r["stall_s"] for r in runs]

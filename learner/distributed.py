@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.learner.batch import TrainBatch
-from asyncrl.roles import LEARNER_STORE_ENV as STORE_ENV
+from asyncrl.paths import LEARNER_STORE_ENV as STORE_ENV
 
 LOOPBACK = "lo"
 SOCKET_IFNAME_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -122,45 +122,29 @@ def exit_without_finalizing(status: int = 0) -> NoReturn:
 
 BATCH_FIELDS = [field.name for field in dataclasses.fields(TrainBatch)]
 """Broadcast order; every field is a tensor whose leading dim is the batch size."""
-_DTYPES = {
-    "input_ids": torch.long,
-    "attention_mask": torch.long,
-    "behavior_logprobs": torch.float32,
-    "loss_mask": torch.float32,
-    "token_versions": torch.long,
-    "rewards": torch.float32,
-    "group_ids": torch.long,
-    "versions": torch.long,
-    "response_lengths": torch.long,
-}
 
 
 def broadcast_batch(batch: TrainBatch | None, ranks: Ranks) -> TrainBatch:
-    """Rank 0's batch on every rank: its shape first, then each field."""
+    """Rank 0's batch on every rank's device: its shape first, then each field, received
+    in place into :meth:`TrainBatch.padding` (so the layout is declared once). Collectives
+    run on the group's device (CUDA tensors under NCCL); nothing goes back to the host."""
     if ranks.world_size == 1:
         assert batch is not None
         return batch
-    # Collectives run on the group's device: CUDA tensors under NCCL.
     shape = torch.zeros(2, dtype=torch.long, device=ranks.device)
     if ranks.is_main:
         shape[:] = torch.tensor(batch.input_ids.shape)
     dist.broadcast(shape, src=0)
     size, width = shape.tolist()
-    shapes = {
-        "input_ids": (size, width),
-        "attention_mask": (size, width),
-        "behavior_logprobs": (size, width - 1),
-        "loss_mask": (size, width - 1),
-        "token_versions": (size, width - 1),
-    }
-    fields = {}
+    if ranks.is_main:  # its own tensors, on the device, in the layout's dtypes
+        layout = TrainBatch.padding(size, width, 0, device="meta")
+        fields = {
+            name: getattr(batch, name).to(ranks.device, getattr(layout, name).dtype).contiguous()
+            for name in BATCH_FIELDS
+        }
+    else:
+        received = TrainBatch.padding(size, width, 0, device=ranks.device)
+        fields = {name: getattr(received, name) for name in BATCH_FIELDS}
     for name in BATCH_FIELDS:
-        if ranks.is_main:
-            tensor = getattr(batch, name).to(ranks.device, _DTYPES[name]).contiguous()
-        else:
-            tensor = torch.empty(
-                shapes.get(name, (size,)), dtype=_DTYPES[name], device=ranks.device
-            )
-        dist.broadcast(tensor, src=0)
-        fields[name] = tensor.cpu()
+        dist.broadcast(fields[name], src=0)
     return TrainBatch(**fields)

@@ -33,11 +33,10 @@ import zmq
 
 from asyncrl.config import Config
 from asyncrl.messages import NOT_EVAL, EvalResults
+from asyncrl.paths import FINAL_EVAL
 
 log = logging.getLogger("asyncrl.learner")
 
-FINAL_EVAL = "eval.json"
-"""In ``RUN_DIR/final/``: the final round's metrics.jsonl line, or why there is none."""
 RESULTS_WAIT_S = 30.0
 """The longest one request for results asks the buffer to hold it (it is asked again)."""
 

@@ -36,10 +36,12 @@ from torch import nn
 from asyncrl.config import Config
 from asyncrl.learner import microbatch
 from asyncrl.learner.algorithms import (
+    ADVANTAGES,
     aggregate,
     compute_advantages,
     entropy_from_logits,
     kl_estimate,
+    needs_of,
     policy_loss,
     token_level_rewards,
     token_logprobs,
@@ -102,6 +104,8 @@ class Update:
         self.optimizer = optimizer
         self.config = config
         self.algorithm = config.algorithm
+        self.needs = needs_of(config.algorithm)
+        """What the configured estimator and KL ask for: values, token rewards, a reference."""
         self.ranks = ranks
         self.reference = reference
         self.temperature = config.generators.temperature
@@ -110,8 +114,12 @@ class Update:
         self._warned_at = -math.inf
         self._unwarned = 0
 
-    def __call__(self, batch: TrainBatch, version: int) -> dict[str, float]:
-        algorithm, learner = self.algorithm, self.config.learner
+    def _plan(
+        self, batch: TrainBatch
+    ) -> tuple[list[int], list[microbatch.Plan], list[list[list[int]]]]:
+        """Sequence lengths, the mini-batch plans (the same on every rank), and this rank's
+        part of them: ``mine[update][micro_batch]`` -> rows."""
+        learner = self.config.learner
         lengths = batch.attention_mask.sum(1).tolist()
         plans = microbatch.minibatch_plans(
             lengths,
@@ -120,17 +128,33 @@ class Update:
             learner.minibatches,
         )
         mine = [plan[self.ranks.rank] for plan in plans]  # [update][micro_batch] -> rows
+        return lengths, plans, mine
 
-        needs_proximal = learner.minibatches > 1 or (
-            algorithm.kl_coef > 0 and algorithm.kl_in == "reward"
+    def proximal_logprobs(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
+        """The pre-pass: what the update needs of the weights before this batch changes
+        them, as full-batch [B, L-1] tensors (no grad). ``proximal``, their log-probs,
+        where the first update's own would not do (several updates per batch, or KL in
+        the reward); ``reference`` (KL) and ``values`` (PPO critic) from the same
+        forward passes; ``{}`` when nothing is needed."""
+        learner = self.config.learner
+        lengths, _, mine = self._plan(batch)
+        needs_proximal = learner.minibatches > 1 or self.needs.kl_in_reward
+        return self._pre_pass(
+            batch, [m for update in mine for m in update], lengths, needs_proximal
         )
-        pre = self._pre_pass(batch, [m for update in mine for m in update], lengths, needs_proximal)
+
+    def step(
+        self, batch: TrainBatch, pre: dict[str, torch.Tensor], version: int
+    ) -> dict[str, float]:
+        """Train on ``batch`` (policy ``version``), given its :meth:`proximal_logprobs`."""
+        algorithm, learner = self.algorithm, self.config.learner
+        lengths, plans, mine = self._plan(batch)
 
         kl_reward = None
-        if algorithm.kl_coef > 0 and algorithm.kl_in == "reward":
+        if self.needs.kl_in_reward:
             kl_reward = kl_estimate(pre["proximal"], pre["reference"], algorithm.kl_estimator)
         token_rewards = None
-        if kl_reward is not None or algorithm.advantage in ("gae", "reinforce_pp"):
+        if self.needs.token_rewards:
             token_rewards = token_level_rewards(
                 batch.rewards, batch.loss_mask, kl=kl_reward, kl_coef=algorithm.kl_coef
             )
@@ -141,9 +165,7 @@ class Update:
             mask=batch.loss_mask,
             values=pre.get("values"),
             token_rewards=token_rewards,
-            normalize_std=algorithm.normalize_std,
-            gamma=algorithm.gamma,
-            lam=algorithm.lam,
+            **ADVANTAGES[algorithm.advantage].knobs_of(algorithm),
         )
 
         sums: defaultdict[str, float] = defaultdict(float)
@@ -247,7 +269,7 @@ class Update:
             wanted.append("proximal")
         if self.reference is not None:
             wanted.append("reference")
-        if self.algorithm.advantage == "gae":
+        if self.needs.values:
             wanted.append("values")
         if not wanted:
             return {}
@@ -333,7 +355,7 @@ class Update:
             reference = part.tokens(pre["reference"], device)
             kl = kl_estimate(logprobs, reference, algorithm.kl_estimator)
             kl_term = aggregate(kl, mask, **agg)
-            if algorithm.kl_in == "loss":
+            if self.needs.kl_in_loss:
                 total = total + algorithm.kl_coef * kl_term
             out["learner_kl"] = kl_term.detach()
         if algorithm.entropy_coef > 0:

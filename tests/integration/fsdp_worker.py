@@ -17,7 +17,8 @@ import zmq
 from asyncrl.config import load_config
 from asyncrl.learner import checkpoint, distributed
 from asyncrl.learner.batch import TrainBatch
-from asyncrl.learner.trainer import Learner
+from asyncrl.learner.policy import Learner
+from asyncrl.learner.publisher import Drain, Publisher
 from asyncrl.tasks import build_tokenizer
 from asyncrl.transport import free_port, tcp
 from asyncrl.weights import WeightClient, WeightPublisher
@@ -48,17 +49,15 @@ def synthetic_batch(step: int, vocab: int, size: int = 16, width: int = 12) -> T
 
 
 def published_and_fetched(learner: Learner, is_main: bool) -> dict | None:
-    """Publish the sharded policy as the trainer does (streamed from every rank), then
-    rebuild it as a generator does; rank 0 returns the rebuilt state dict."""
-    tensors = learner.full_tensors()
+    """Publish the sharded policy as the trainer does (:class:`Publisher`, streamed from
+    every rank), then rebuild it as a generator does; rank 0 returns the rebuilt state dict."""
     if not is_main:
-        for _ in tensors:
-            pass
+        Publisher(learner, learner.config, Drain()).publish()
         return None
     publisher = WeightPublisher(tcp("127.0.0.1", free_port("127.0.0.1")), chunk_bytes=4096)
     context = zmq.Context()
     try:
-        publisher.publish(tensors, learner.version)
+        Publisher(learner, learner.config, publisher).publish()
         client = WeightClient(context, publisher.endpoint)
         version, _, state_dict = client.fetch_newer(-1)
         client.close()
@@ -101,9 +100,10 @@ def main() -> None:
         learner.load_checkpoint(args.resume)
     vocab = len(build_tokenizer())
     metrics = {}
-    while learner.step < args.steps:
-        metrics = learner.train_step(synthetic_batch(learner.step, vocab))
-        if learner.step == args.save_at:
+    while learner.version < args.steps:
+        batch = synthetic_batch(learner.version, vocab)
+        metrics = learner.train_step(batch, learner.proximal_logprobs(batch))
+        if learner.version == args.save_at:
             learner.save_checkpoint(args.out / "checkpoint")
             if ranks.is_main:
                 checkpoint.mark_complete(args.out / "checkpoint")

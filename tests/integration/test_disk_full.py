@@ -26,7 +26,7 @@ from test_supervision import Launch
 
 from asyncrl.config import load_config
 from asyncrl.learner import checkpoint, distributed
-from asyncrl.learner.trainer import Learner
+from asyncrl.learner.policy import Learner
 from asyncrl.status import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]

@@ -175,7 +175,7 @@ def learner_weights(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str,
     """
     from asyncrl.config import load_config
     from asyncrl.learner import distributed
-    from asyncrl.learner.trainer import Learner
+    from asyncrl.learner.policy import Learner
     from asyncrl.paths import checkpoint_dir
     from asyncrl.transport import free_port
 
@@ -191,7 +191,7 @@ def learner_weights(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str,
         torch.manual_seed(config.run.seed)
         learner = Learner(config, ranks)
         learner.load_checkpoint(checkpoint)
-        assert learner.step == STEPS
+        assert learner.version == STEPS
         return {name: tensor.detach().clone() for name, tensor in learner.full_tensors()}
     finally:
         distributed.shutdown()

@@ -17,8 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncrl.config import (
+    ADVANTAGE_CONFIGS,
     AlgorithmConfig,
     ConfigError,
+    GrpoConfig,
     config_from_dict,
     config_warnings,
     load_config,
@@ -29,7 +31,6 @@ from asyncrl.learner.algorithms import (
     AGGREGATIONS,
     CORRECTIONS,
     KL_ESTIMATORS,
-    OUTCOME_ADVANTAGES,
     aggregate,
     compute_advantages,
     dr_grpo_advantages,
@@ -63,7 +64,8 @@ def test_grpo_advantage_of_one_group_is_reward_minus_mean_over_population_std():
 
 
 def test_grpo_is_registered_under_its_config_name():
-    assert ADVANTAGES["grpo"] is grpo_advantages
+    assert ADVANTAGES["grpo"].fn is grpo_advantages
+    assert ADVANTAGES["grpo"].config is GrpoConfig
 
 
 def test_grpo_normalises_interleaved_groups_independently():
@@ -322,9 +324,10 @@ def close(actual: torch.Tensor, expected, atol: float = 1e-5) -> None:
 
 
 def test_every_config_name_has_an_estimator_and_every_estimator_a_config_name():
-    names = set(typing.get_args(AlgorithmConfig.model_fields["advantage"].annotation))
-    assert names == set(ADVANTAGES)
-    assert names >= OUTCOME_ADVANTAGES
+    assert set(ADVANTAGE_CONFIGS) == set(ADVANTAGES)
+    for name, estimator in ADVANTAGES.items():
+        assert ADVANTAGE_CONFIGS[name] is estimator.config
+    assert {name for name, e in ADVANTAGES.items() if e.per_sample} == {"grpo", "dr_grpo", "rloo"}
     assert set(CORRECTIONS) == set(
         typing.get_args(AlgorithmConfig.model_fields["correction"].annotation)
     )
@@ -735,7 +738,7 @@ def test_micro_batches_with_global_normalizers_sum_to_the_full_batch_loss_and_gr
 
 @settings(max_examples=30, deadline=None)
 @given(
-    st.sampled_from(AGGREGATIONS),
+    st.sampled_from(list(AGGREGATIONS)),
     st.integers(0, 10_000),
     st.lists(st.integers(1, 7), min_size=1, max_size=4),
 )
@@ -867,7 +870,7 @@ def test_the_default_correction_is_not_none():
     default, _ = policy_loss(logprobs, proximal, behavior, advantages, mask)
     tis, _ = policy_loss(logprobs, proximal, behavior, advantages, mask, correction="tis")
     assert default.item() == tis.item() == pytest.approx(-1.75, abs=1e-5)
-    assert AlgorithmConfig().correction == "tis"
+    assert GrpoConfig().correction == "tis"
 
 
 def _sequence_level_batch():
@@ -1132,7 +1135,7 @@ def test_entropy_in_chunks_equals_one_pass_and_grad_flows_for_a_bonus(monkeypatc
     with_grad = logits.clone().requires_grad_(True)
     bonus = entropy_from_logits(with_grad)  # with grad: one pass
     # without grad, 16 elements per chunk is 2 rows of V = 8: the 6 rows take 3 chunks
-    monkeypatch.setattr(algorithms, "ENTROPY_CHUNK_ELEMENTS", 16)
+    monkeypatch.setattr(algorithms.logprobs, "ENTROPY_CHUNK_ELEMENTS", 16)
     with torch.no_grad():
         chunked = entropy_from_logits(logits)
     torch.testing.assert_close(bonus.detach(), chunked)
@@ -1148,14 +1151,16 @@ def _config(**algorithm):
 
 
 def test_algorithm_defaults():
-    algorithm = AlgorithmConfig()
-    assert algorithm.advantage == "grpo"
+    algorithm = config_from_dict({"model": {"tiny": {}}}).algorithm
+    assert algorithm == GrpoConfig()
+    assert algorithm.advantage == "grpo" and algorithm.normalize_std
     assert algorithm.correction == "tis"
     assert algorithm.correction_level == "token"
     assert algorithm.clip_c is None
     assert algorithm.aggregation == "token-mean"
-    assert (algorithm.gamma, algorithm.lam) == (1.0, 1.0)
-    assert (algorithm.value_clip, algorithm.value_coef) == (0.2, 0.5)
+    gae = config_from_dict(_config(advantage="gae")).algorithm
+    assert (gae.gamma, gae.lam) == (1.0, 1.0)
+    assert (gae.value_clip, gae.value_coef) == (0.2, 0.5)
     assert (algorithm.kl_coef, algorithm.kl_estimator, algorithm.kl_in) == (0.0, "k3", "loss")
     assert algorithm.entropy_coef == 0.0
 
@@ -1174,6 +1179,7 @@ def test_algorithm_accepts_every_documented_choice():
             kl_coef=0.01,
             kl_estimator="k2",
             kl_in="reward",
+            advantage="gae",
             gamma=0.99,
             lam=0.95,
             value_clip=None,

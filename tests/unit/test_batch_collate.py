@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -125,3 +127,86 @@ def test_per_sample_fields_come_from_the_metas():
     assert batch.rewards.dtype == torch.float32
     assert batch.group_ids.tolist() == [7, 9]
     assert batch.response_lengths.tolist() == [2, 4]
+
+
+def per_row_collate(metas, flat, pad_id):
+    """The collate before the padded batch was built on the device, row by row: the
+    reference the vectorized one must match exactly (its code, kept here as it was)."""
+    lengths = [m.prompt_len + m.response_len for m in metas]
+    size, width = len(metas), max(lengths)
+    input_ids = torch.full((size, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((size, width), dtype=torch.long)
+    behavior = torch.zeros((size, width - 1))
+    loss_mask = torch.zeros((size, width - 1))
+    versions = torch.full((size, width - 1), -1, dtype=torch.long)
+    p = r = 0
+    for row, meta in enumerate(metas):
+        prompt = flat["prompt_ids"][p : p + meta.prompt_len]
+        response = slice(r, r + meta.response_len)
+        tokens = np.concatenate([prompt, flat["response_ids"][response]])
+        input_ids[row, : len(tokens)] = torch.from_numpy(tokens.astype(np.int64))
+        attention_mask[row, : len(tokens)] = 1
+        targets = slice(meta.prompt_len - 1, meta.prompt_len - 1 + meta.response_len)
+        behavior[row, targets] = torch.from_numpy(flat["logprobs"][response].copy())
+        loss_mask[row, targets] = torch.from_numpy(flat["loss_mask"][response].astype(np.float32))
+        versions[row, targets] = torch.from_numpy(flat["token_versions"][response].astype(np.int64))
+        p += meta.prompt_len
+        r += meta.response_len
+    return input_ids, attention_mask, behavior, loss_mask, versions
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_random_batch_is_laid_out_exactly_as_row_by_row(seed):
+    rng = np.random.default_rng(seed)
+    size = int(rng.integers(1, 9))
+    metas = [
+        meta(g, 0, int(rng.integers(1, 6)), int(rng.integers(0, 7)), float(g)) for g in range(size)
+    ]
+    prompt_total = sum(m.prompt_len for m in metas)
+    response_total = sum(m.response_len for m in metas)
+    mask = rng.integers(0, 2, response_total).astype(np.uint8)
+    arrays = {
+        "prompt_ids": rng.integers(3, 50, prompt_total).astype(np.int32),
+        "response_ids": rng.integers(3, 50, response_total).astype(np.int32),
+        "logprobs": -rng.random(response_total).astype(np.float32),
+        "token_versions": np.where(mask == 1, rng.integers(0, 9, response_total), -1).astype(
+            np.int32
+        ),
+        "loss_mask": mask,
+    }
+    body, frames = decode(encode(Trajectories(metas), arrays))
+
+    batch = collate(body.samples, frames, pad_id=PAD)
+
+    expected = per_row_collate(metas, arrays, PAD)
+    got = (
+        batch.input_ids,
+        batch.attention_mask,
+        batch.behavior_logprobs,
+        batch.loss_mask,
+        batch.token_versions,
+    )
+    for have, want in zip(got, expected, strict=True):
+        assert have.dtype == want.dtype
+        assert torch.equal(have, want)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ),
+    ],
+)
+def test_every_field_is_built_on_the_device_asked_for(device):
+    on_cpu = collate(*wire_batch(), pad_id=PAD)
+
+    batch = collate(*wire_batch(), pad_id=PAD, device=device)
+
+    for field in dataclasses.fields(batch):
+        tensor = getattr(batch, field.name)
+        assert tensor.device.type == device, field.name
+        assert torch.equal(tensor.cpu(), getattr(on_cpu, field.name)), field.name

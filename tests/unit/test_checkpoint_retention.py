@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from asyncrl.config import load_config
-from asyncrl.learner import checkpoint, distributed, trainer
+from asyncrl.learner import checkpoint, distributed
+from asyncrl.learner.checkpointer import Checkpointer, Completer
 from asyncrl.learner.distributed import Ranks
-from asyncrl.learner.trainer import Learner
+from asyncrl.learner.policy import Learner
 from asyncrl.paths import COMPLETE, checkpoint_dir, latest_checkpoint
 
 GROUP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -98,13 +99,14 @@ def test_the_learner_keeps_the_newest_n_as_it_checkpoints(tmp_path, ranks: Ranks
     torch.manual_seed(config.run.seed)
     learner = Learner(config, ranks)
     saved: list[int] = []
-    main = SimpleNamespace(
-        buffer=SimpleNamespace(save_state=lambda step, _=None: saved.append(step))
+    buffer = SimpleNamespace(save_state=lambda step, _=None: saved.append(step))
+    checkpointer = Checkpointer(
+        learner, tmp_path, Completer(buffer, tmp_path, config.learner.keep_checkpoints)
     )
 
     for step in (1, 2, 3):
-        learner.step = step
-        trainer.save_checkpoint(learner, main, tmp_path)
+        learner.version = step
+        checkpointer.save()
         assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, step)
 
     assert saved == [1, 2, 3]

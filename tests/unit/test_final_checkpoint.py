@@ -14,7 +14,6 @@ import random
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,9 +23,11 @@ from buffer_samples import group_samples, make_store
 from asyncrl.buffer.durable import check_state
 from asyncrl.buffer.store import SKIP_REASONS, BufferStore
 from asyncrl.config import load_config
-from asyncrl.learner import checkpoint, distributed, trainer
+from asyncrl.learner import buffer_client, checkpoint, distributed
+from asyncrl.learner.buffer_client import BufferClient, BufferStateNotSaved
+from asyncrl.learner.checkpointer import BufferState, Checkpointer, Completer
 from asyncrl.learner.distributed import Ranks
-from asyncrl.learner.trainer import BufferClient, Learner
+from asyncrl.learner.policy import Learner
 from asyncrl.paths import BUFFER_STATE, COMPLETE, TRAINED_GROUPS, checkpoint_dir
 from asyncrl.transport import tcp
 
@@ -172,21 +173,27 @@ def learner(ranks: Ranks) -> Learner:
     return Learner(config, ranks)
 
 
+def save_checkpoint(learner: Learner, buffer: BufferState, run_dir: Path) -> None:
+    """Checkpoint the learner's version as rank 0 does, ``buffer`` saving its part."""
+    keep = learner.config.learner.keep_checkpoints
+    Checkpointer(learner, run_dir, Completer(buffer, run_dir, keep)).save()
+
+
 class DeadBuffer:
     """A buffer that never saves its part: as BufferClient reports a dead one."""
 
     def save_state(self, step: int, timeout_s: float | None = None) -> None:
-        raise trainer.BufferStateNotSaved(f"the buffer did not save its part (step {step})")
+        raise BufferStateNotSaved(f"the buffer did not save its part (step {step})")
 
 
 def test_a_checkpoint_the_buffer_cannot_save_is_completed_by_the_learner(
     tmp_path, learner: Learner, caplog
 ):
     caplog.set_level(logging.WARNING, logger="asyncrl.learner")
-    learner.step = 3  # as after three trained steps
+    learner.version = 3  # as after three trained steps
     trained_lines(tmp_path, {0: [0, 1], 1: [2, 3], 2: [4, 5]})
 
-    trainer.save_checkpoint(learner, SimpleNamespace(buffer=DeadBuffer()), tmp_path)
+    save_checkpoint(learner, DeadBuffer(), tmp_path)
 
     path = checkpoint_dir(tmp_path, 3)
     assert (path / COMPLETE).exists()
@@ -200,10 +207,10 @@ def test_a_buffer_part_written_without_an_answer_is_kept(tmp_path, learner: Lear
     class WritesThenDies:
         def save_state(self, step: int, timeout_s: float | None = None) -> None:
             (checkpoint_dir(tmp_path, step) / BUFFER_STATE).write_text('{"cursor": 7}')
-            raise trainer.BufferStateNotSaved("no answer")
+            raise BufferStateNotSaved("no answer")
 
-    learner.step = 2
-    trainer.save_checkpoint(learner, SimpleNamespace(buffer=WritesThenDies()), tmp_path)
+    learner.version = 2
+    save_checkpoint(learner, WritesThenDies(), tmp_path)
     path = checkpoint_dir(tmp_path, 2)
     assert (path / COMPLETE).exists()
     assert json.loads((path / BUFFER_STATE).read_text()) == {"cursor": 7}
@@ -219,9 +226,9 @@ def test_a_checkpoint_that_cannot_be_written_stops_with_one_line_and_leaves_no_d
         raise OSError(28, "No space left on device", str(checkpoint_id / "__0_0.distcp"))
 
     monkeypatch.setattr(checkpoint.dcp, "save", full_disk)
-    learner.step = 1
+    learner.version = 1
     with pytest.raises(checkpoint.CheckpointWriteError) as raised:
-        trainer.save_checkpoint(learner, SimpleNamespace(buffer=DeadBuffer()), tmp_path)
+        save_checkpoint(learner, DeadBuffer(), tmp_path)
     path = checkpoint_dir(tmp_path, 1)
     assert str(raised.value) == (
         f"cannot write checkpoint {path}: No space left on device (errno 28) "
@@ -231,7 +238,7 @@ def test_a_checkpoint_that_cannot_be_written_stops_with_one_line_and_leaves_no_d
 
 
 def test_a_stop_cuts_a_wait_for_a_silent_buffer_short(monkeypatch):
-    monkeypatch.setattr(trainer, "FINAL_SAVE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(buffer_client, "FINAL_SAVE_TIMEOUT_S", 0.3)
     context = zmq.Context()
     try:
         silent = context.socket(zmq.ROUTER)  # takes requests, never answers
@@ -241,7 +248,7 @@ def test_a_stop_cuts_a_wait_for_a_silent_buffer_short(monkeypatch):
         client = BufferClient(context, tcp("127.0.0.1", port), 0, stop=lambda: stopping[0])
         stopping[0] = True  # SIGTERM: the hour-long default wait must not hold the stop
         cut = re.escape("cut to 0.3s by a stop")
-        with pytest.raises(trainer.BufferStateNotSaved, match=cut):
+        with pytest.raises(BufferStateNotSaved, match=cut):
             client.save_state(5)
         with pytest.raises(TimeoutError, match=cut):
             client.start_eval(1, 5)

@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from asyncrl.config import load_config
-from asyncrl.learner import checkpoint, distributed, trainer
+from asyncrl.learner import checkpoint, distributed
 from asyncrl.learner.batch import TrainBatch
+from asyncrl.learner.checkpointer import Checkpointer, Completer
 from asyncrl.learner.distributed import Ranks
-from asyncrl.learner.trainer import Learner
+from asyncrl.learner.policy import Learner
 from asyncrl.paths import COMPLETE, checkpoint_dir, latest_checkpoint
 from asyncrl.tasks import build_tokenizer
 
@@ -137,15 +138,14 @@ def test_a_checkpoint_of_a_non_finite_learner_is_never_marked_complete(
     caplog.set_level(logging.ERROR, logger="asyncrl.learner")
     learner.train_step(synthetic_batch(0))
     buffer_saves: list[int] = []
-    main = SimpleNamespace(
-        buffer=SimpleNamespace(save_state=lambda step, timeout_s=None: buffer_saves.append(step))
-    )
-    trainer.save_checkpoint(learner, main, tmp_path)  # a good one first: step 1
+    buffer = SimpleNamespace(save_state=lambda step, timeout_s=None: buffer_saves.append(step))
+    checkpointer = Checkpointer(learner, tmp_path, Completer(buffer, tmp_path, keep=None))
+    checkpointer.save()  # a good one first: step 1
     assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 1)
 
     learner.train_step(synthetic_batch(1))
     poison(learner, where)
-    trainer.save_checkpoint(learner, main, tmp_path)
+    checkpointer.save()
 
     refused = checkpoint_dir(tmp_path, 2)
     assert not (refused / COMPLETE).exists()

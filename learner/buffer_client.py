@@ -1,0 +1,160 @@
+"""Rank 0's line to the buffer: batches, eval rounds and the buffer's part of a checkpoint.
+
+Every wait is stoppable: SIGTERM (:class:`~.stop.StopRequest`) abandons a batch
+still awaited within ``STOP_POLL_S``, and cuts any other wait for the buffer to
+at most ``FINAL_SAVE_TIMEOUT_S``, so a dead buffer never holds a stopping learner.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import zmq
+
+from asyncrl.learner.batch import TrainBatch, collate
+from asyncrl.messages import (
+    Ack,
+    BatchRequest,
+    EvalResults,
+    EvalResultsRequest,
+    SaveBufferState,
+    StartEval,
+    Trajectories,
+    WireError,
+)
+from asyncrl.transport import RequestClient
+
+STOP_POLL_S = 0.2
+"""While rank 0 waits for a batch, how often it checks whether it was asked to stop."""
+FINAL_SAVE_TIMEOUT_S = 5.0
+"""How long the checkpoint written on a stop waits for the buffer's part of it; also how
+long any wait for the buffer lasts once a stop is asked (a dead buffer never holds it up)."""
+START_EVAL_TIMEOUT_S = 30.0
+"""How long starting an eval round waits for the buffer's answer (it answers at once)."""
+
+
+class BufferStateNotSaved(RuntimeError):
+    """The buffer did not save its part of a checkpoint: no answer in time, or a refusal."""
+
+
+class BufferClient:
+    """Rank 0's line to the buffer: batches (waiting however long generation takes)
+    and the buffer's share of each checkpoint.
+
+    Every wait for an answer checks ``stop`` (SIGTERM) every ``STOP_POLL_S``; once it
+    is true, the wait lasts at most ``FINAL_SAVE_TIMEOUT_S`` more.
+    """
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        endpoint: str,
+        pad_id: int,
+        stop: Callable[[], bool] = lambda: False,
+        device: torch.device | str = "cpu",
+    ):
+        self.client = RequestClient(context, endpoint, timeout_s=3600.0)
+        self.pad_id = pad_id
+        self.device = device
+        """Where batches are padded: the learner's device, so a batch crosses to it once."""
+        self.stop = stop
+        self.abandoned = False
+        """A batch request is out that this learner stopped waiting for."""
+
+    def next_batch(
+        self, policy_version: int, stop: Callable[[], bool] = lambda: False
+    ) -> tuple[TrainBatch, dict[str, float]] | None:
+        """The next batch, or None once ``stop()`` is true and no batch has come.
+
+        An abandoned request stays open at the buffer: :meth:`save_state` cancels
+        it, or hands its batch back if the buffer answered it after all.
+        """
+        if stop():
+            return None
+        receive = partial(self.client.request, BatchRequest(policy_version))
+        waited_s = 0.0
+        while True:
+            try:
+                reply, arrays = receive(timeout_s=STOP_POLL_S)
+                break
+            except TimeoutError:
+                receive = self.client.receive  # the request is out: wait for its answer
+                waited_s += STOP_POLL_S
+                if stop():
+                    self.abandoned = True
+                    return None
+                if waited_s >= self.client.timeout_s:
+                    raise
+        if not isinstance(reply, Trajectories):
+            raise RuntimeError(f"buffer answered a batch request with {reply!r}")
+        return collate(reply.samples, arrays, self.pad_id, self.device), reply.stats
+
+    def start_eval(self, number: int, policy_version: int) -> bool:
+        """Start eval round ``number`` of ``policy_version``; False if the buffer did not
+        (an earlier round is still running: skipped and counted there)."""
+        request = StartEval(round=number, policy_version=policy_version)
+        self.client.send(request)
+        reply, _ = self.reply_within(START_EVAL_TIMEOUT_S)
+        if not isinstance(reply, Ack):
+            raise RuntimeError(f"buffer answered {request!r} with {reply!r}")
+        return bool(reply.accepted)
+
+    def eval_results(self, wait_s: float, stop: Callable[[], bool]) -> EvalResults | None:
+        """Eval results no batch carried; the buffer holds the request up to ``wait_s``
+        while a round runs. None once ``stop()`` is true first (the learner is exiting)."""
+        self.client.send(EvalResultsRequest(wait_s=wait_s))
+        waited_s = 0.0
+        while True:
+            try:
+                reply, _ = self.client.receive(timeout_s=STOP_POLL_S)
+                break
+            except TimeoutError:
+                waited_s += STOP_POLL_S
+                if stop():
+                    return None
+                if waited_s >= wait_s + START_EVAL_TIMEOUT_S:
+                    raise
+        if not isinstance(reply, EvalResults):
+            raise RuntimeError(f"buffer answered a request for eval results with {reply!r}")
+        return reply
+
+    def save_state(self, step: int, timeout_s: float | None = None) -> None:
+        """Have the buffer write its part of checkpoint ``step``; BufferStateNotSaved if
+        it refuses or does not answer within ``timeout_s`` (default: the client's)."""
+        request = SaveBufferState(step, abandoned_batch_request=self.abandoned)
+        limit_s = self.client.timeout_s if timeout_s is None else timeout_s
+        try:
+            self.client.send(request)
+            reply, _ = self.reply_within(limit_s)
+            if self.abandoned and isinstance(reply, Trajectories):
+                # the abandoned request's answer, sent before the buffer read this one,
+                # which handed that batch back: untrained, it stays in the saved state
+                reply, _ = self.reply_within(limit_s)
+        except (TimeoutError, WireError, zmq.ZMQError) as error:
+            raise BufferStateNotSaved(f"the buffer did not save its part ({error})") from error
+        self.abandoned = False
+        if not isinstance(reply, Ack):
+            raise BufferStateNotSaved(f"the buffer refused to save its part: {reply!r}")
+
+    def reply_within(self, timeout_s: float):
+        """The answer to the request out, within ``timeout_s``, or within
+        ``FINAL_SAVE_TIMEOUT_S`` of a stop, whichever ends first; TimeoutError if none."""
+        deadline = time.monotonic() + timeout_s
+        stopping = False
+        while True:
+            if not stopping and self.stop():
+                stopping = True
+                deadline = min(deadline, time.monotonic() + FINAL_SAVE_TIMEOUT_S)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                cut = f", cut to {FINAL_SAVE_TIMEOUT_S:g}s by a stop" if stopping else ""
+                raise TimeoutError(
+                    f"no reply from {self.client.endpoint} within {timeout_s:g}s{cut}"
+                )
+            try:
+                return self.client.receive(timeout_s=min(STOP_POLL_S, remaining))
+            except TimeoutError:
+                continue
