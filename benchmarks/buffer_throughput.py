@@ -518,7 +518,8 @@ def echo_main(endpoint: str) -> None:
 
 def in_process_batches(config: Config, vocab: int, levels: list[int], reps: int) -> list[dict]:
     """``take_batch`` latency, and the service's whole answer minus the socket, by held samples."""
-    from asyncrl.buffer.service import build_store, join_samples, split_samples
+    from asyncrl.buffer.main import build_store
+    from asyncrl.trajectory import join_samples, split_samples
 
     rng = np.random.default_rng(1)
     tokens = 256

@@ -1,4 +1,4 @@
-"""The buffer's part of a checkpoint (``buffer.json``), checked before a store restores it.
+"""The buffer's part of a checkpoint (``buffer.json``): written, checked, and read back.
 
 A resumed run trusts this file to say which prompts are done, so a field of
 the wrong type or out of bounds would make it hand a prompt out twice, skip
@@ -21,8 +21,17 @@ Fields (:meth:`~asyncrl.buffer.store.BufferStore.durable_state` writes them):
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from asyncrl.buffer.counters import Count
+from asyncrl.buffer.groups import SKIP_REASONS
+
+if TYPE_CHECKING:
+    from asyncrl.buffer.store import BufferStore
 
 MAX_GROUP_ID = (1 << 62) - 1
 """The largest group id a state may name (ids travel as 64-bit ints)."""
@@ -41,6 +50,38 @@ class Skip:
         return {"group_id": self.group_id, "reason": self.reason, "step": self.step}
 
 
+class PromptRecord:
+    """What the checkpoint keeps of prompts handed out and not trained: the stale
+    retries each has used, and every prompt given up on (the store's invariant 8)."""
+
+    def __init__(self, stale_evictions: dict[int, int] | None = None, skipped: Iterable = ()):
+        self.stale_evictions: dict[int, int] = dict(stale_evictions or {})
+        """Group id -> times its group was evicted as stale and requeued, until it is
+        served (and can no longer be handed back) or skipped."""
+        self.skipped: list[Skip] = list(skipped)
+        """Every prompt handed out and given up on, in order: by id, reason and step."""
+        self.by_reason: Counter[str] = Counter(skip.reason for skip in self.skipped)
+
+    def retry_stale(self, group_id: int, retries: int) -> bool:
+        """Use one of ``group_id``'s ``retries`` (its group went stale unserved); False
+        when none is left."""
+        used = self.stale_evictions.get(group_id, 0)
+        if used >= retries:
+            return False
+        self.stale_evictions[group_id] = used + 1
+        return True
+
+    def trained(self, group_id: int) -> None:
+        """``group_id`` was trained: it can no longer be handed back, nor retried."""
+        self.stale_evictions.pop(group_id, None)
+
+    def skip(self, group_id: int, reason: str, step: int) -> None:
+        """Give up on a prompt handed out: record its id and why; it never goes out again."""
+        self.stale_evictions.pop(group_id, None)
+        self.skipped.append(Skip(group_id, reason, step))
+        self.by_reason[reason] += 1
+
+
 @dataclass
 class CheckedState:
     """A ``buffer.json`` whose every field is known to be well formed."""
@@ -53,6 +94,75 @@ class CheckedState:
     skipped: list[Skip] = field(default_factory=list)
     trained: set[int] = field(default_factory=set)
     """``trained_since`` and ``trained_ahead`` together."""
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file: a reader never sees half."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def state_of(store: BufferStore) -> dict:
+    """What a learner checkpoint keeps of ``store``: the cursor, the groups not yet
+    trained on, and the prompts given up on (the fields above).
+
+    Groups in flight, waiting to be requeued, or complete but never served are
+    "unfinished": a run resumed from this checkpoint hands them out again
+    before any new prompt, with the stale retries they used, and since prompts
+    come from the cursor, none below it is handed out twice. Skipped prompts are
+    kept by id (invariant 8 of :mod:`asyncrl.buffer.store`), never handed out again.
+    Eval rounds are not kept: one unfinished at the checkpoint is dropped, and the
+    resumed learner starts the next one when it is due.
+    """
+    unfinished = sorted(unfinished_groups(store))
+    return {
+        "cursor": store.cursor,
+        "policy_version": store.policy_version,
+        "started_samples": store.started_samples,
+        "unfinished_groups": unfinished,
+        "stale_evictions": [
+            [group_id, store.prompts.stale_evictions[group_id]]
+            for group_id in unfinished
+            if group_id in store.prompts.stale_evictions
+        ],
+        "skipped_groups": [skip.as_dict() for skip in store.skipped],
+        "trained_ahead": sorted(store.new_prompts.trained_ahead),
+    }
+
+
+def unfinished_groups(store: BufferStore) -> list[int]:
+    """Group ids handed out and neither trained nor skipped (in flight, requeued, ready)."""
+    unfinished = [*store.in_flight, *(item.group_id for item in store.requeue)]
+    return unfinished + [g.item.group_id for g in store.ready if not g.times_served]
+
+
+def restore(store: BufferStore, state: dict) -> None:
+    """Continue from :func:`state_of` in a fresh ``store``: unfinished groups go first.
+
+    The state is checked whole first (:func:`check_state`; ValueError naming
+    ``buffer.json`` and the field). Groups it says were trained since it was
+    written (``trained_since``, from a learner that wrote the state itself) are
+    never handed out again, whether unfinished or past the cursor; each one passed
+    over is counted in ``restored_skipped_trained``.
+    """
+    if store.cursor or store.in_flight or store.ready or store.requeue:
+        raise RuntimeError("restore() needs a fresh store")
+    checked = check_state(state, SKIP_REASONS)
+    store.new_prompts.cursor = checked.cursor
+    store.policy_version = checked.policy_version
+    store.started_samples = checked.started_samples  # admission resumes where it was
+    for group_id in checked.unfinished_groups:
+        if group_id in checked.trained:  # its samples stay started: they were trained
+            store.counters[Count.RESTORED_SKIPPED_TRAINED] += 1
+        else:
+            store.requeued.put(store.make_item(group_id))
+            store.counters[Count.RESTORED_GROUPS] += 1
+    trained = checked.trained
+    store.new_prompts.trained_ahead = {g for g in trained if g >= checked.cursor}
+    retries = checked.stale_evictions.items()
+    kept = {group_id: times for group_id, times in retries if group_id not in trained}
+    store.prompts = PromptRecord(kept, checked.skipped)
 
 
 def check_state(state: object, skip_reasons: Iterable[str]) -> CheckedState:

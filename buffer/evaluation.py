@@ -39,6 +39,7 @@ import msgspec
 import numpy as np
 
 from asyncrl.messages import NOT_EVAL, TrajectoryMeta, WorkItem
+from asyncrl.trajectory import is_model_token
 
 _NAN = float("nan")
 """A figure with nothing to measure: ``null`` in metrics.jsonl."""
@@ -267,7 +268,7 @@ class EvalRounds:
 
 
 def outcome(meta: TrajectoryMeta, token_versions: np.ndarray) -> EvalOutcome:
-    made_by_model = token_versions[token_versions >= 0]
+    made_by_model = token_versions[is_model_token(token_versions)]
     low, high = (-1, -1)
     if made_by_model.size:
         low, high = int(made_by_model.min()), int(made_by_model.max())

@@ -63,9 +63,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from asyncrl.messages import Trajectories, TrajectoryMeta, WireError, WorkItem
+from asyncrl.trajectory import (
+    ENV_VERSION,
+    ColumnLengthError,
+    Columns,
+    Sample,
+    is_model_token,
+    split_samples,
+)
 
 if TYPE_CHECKING:
-    from asyncrl.buffer.store import Sample
     from asyncrl.config import Config
 
 log = logging.getLogger("asyncrl.buffer")
@@ -112,8 +119,6 @@ FINISH_REASON = re.compile(r"[a-z_]{1,32}")
 REWARD_ERROR = re.compile(r"error:[a-z0-9_]{1,40}")
 MAX_REWARD_ERROR_KINDS = 32
 """Distinct reward-error tags the buffer counts (``buffer_reward_error_*``)."""
-UNVERSIONED_TOKEN = -1
-"""The weight version of a token no policy made (an environment's reply)."""
 
 
 @dataclass(frozen=True)
@@ -264,8 +269,12 @@ def check_trajectories(
         if array.ndim != 1:
             raise WireError("bad_array", f"{name} must be one-dimensional, has shape {array.shape}")
     _check_metas(metas, limits, reward_errors)
-    samples = split_samples(metas, arrays)
-    _check_tokens(arrays, limits, latest_version)
+    columns = Columns.from_wire(arrays)
+    try:
+        samples = split_samples(metas, columns)
+    except ColumnLengthError as error:
+        raise WireError("bad_array", str(error)) from None
+    _check_tokens(columns, limits, latest_version)
     seen: set[tuple[int, int]] = set()
     for sample in samples:
         meta = sample.meta
@@ -315,20 +324,19 @@ def _check_metas(metas: list[TrajectoryMeta], limits: Limits, reward_errors: set
             reward_errors.add(error)
 
 
-def _check_tokens(arrays: Mapping[str, np.ndarray], limits: Limits, latest_version: int) -> None:
+def _check_tokens(columns: Columns, limits: Limits, latest_version: int) -> None:
     """Every token of the message at once (numpy, one pass per rule)."""
-    for name in ("prompt_ids", "response_ids"):
-        ids = arrays[name]
+    for part, ids in (("prompt", columns.prompt_ids), ("response", columns.response_ids)):
         if ids.size and (
             int(ids.min()) < 0
             or (limits.vocab_size is not None and int(ids.max()) >= limits.vocab_size)
         ):
             raise WireError(
                 "bad_tokens",
-                f"{name} holds ids in [{int(ids.min())}, {int(ids.max())}], "
+                f"{part} token ids are in [{int(ids.min())}, {int(ids.max())}], "
                 f"the vocabulary is [0, {limits.vocab_size})",
             )
-    logprobs = arrays["logprobs"]
+    logprobs = columns.logprobs
     if logprobs.size:
         finite = bool(np.isfinite(logprobs).all())
         low, high = (float(logprobs.min()), float(logprobs.max())) if finite else (0.0, 0.0)
@@ -338,23 +346,20 @@ def _check_tokens(arrays: Mapping[str, np.ndarray], limits: Limits, latest_versi
                 f"log-probs must be finite and in [{LOGPROB_MIN}, {LOGPROB_MAX}], got "
                 + (f"[{low}, {high}]" if finite else "a non-finite one"),
             )
-    mask = arrays["loss_mask"]
+    mask = columns.loss_mask
     if mask.size and int(mask.max()) > 1:
-        raise WireError("bad_mask", f"loss_mask values must be 0 or 1, got {int(mask.max())}")
-    versions = arrays["token_versions"]
+        raise WireError("bad_mask", f"loss mask values must be 0 or 1, got {int(mask.max())}")
+    versions = columns.token_versions
     if versions.size:
-        model = versions[mask == 1]
-        lowest_model = int(model.min()) if model.size else 0
-        if (
-            lowest_model < 0
-            or int(versions.min()) < UNVERSIONED_TOKEN
-            or int(versions.max()) > latest_version
-        ):
+        # the loss mask and the version must agree that a trained token is the model's
+        trained = versions[mask == 1]
+        unversioned = bool(trained.size) and not bool(is_model_token(trained).all())
+        if unversioned or int(versions.min()) < ENV_VERSION or int(versions.max()) > latest_version:
             raise WireError(
                 "bad_version",
                 f"token versions must be in [0, {latest_version}] (environment tokens may be "
-                f"-1), got [{int(versions.min())}, {int(versions.max())}]"
-                + (" with -1 on a model token" if lowest_model < 0 else ""),
+                f"{ENV_VERSION}), got [{int(versions.min())}, {int(versions.max())}]"
+                + (f" with {ENV_VERSION} on a model token" if unversioned else ""),
             )
 
 
@@ -377,37 +382,3 @@ def _check_against_item(sample: Sample, item: WorkItem, limits: Limits) -> None:
         )
     if not np.array_equal(sample.prompt_ids, np.asarray(item.prompt_ids, dtype=np.int64)):
         raise WireError("bad_prompt", f"{where}: prompt ids differ from the prompt handed out")
-
-
-def split_samples(metas: list[TrajectoryMeta], arrays: Mapping[str, np.ndarray]) -> list[Sample]:
-    """Cut concatenated token arrays back into samples; lengths must add up (``bad_array``)."""
-    from asyncrl.buffer.store import Sample
-
-    prompt_total = sum(m.prompt_len for m in metas)
-    response_total = sum(m.response_len for m in metas)
-    if arrays["prompt_ids"].size != prompt_total:
-        raise WireError(
-            "bad_array",
-            f"prompt_ids has {arrays['prompt_ids'].size} tokens, metas say {prompt_total}",
-        )
-    for name in ("response_ids", "logprobs", "token_versions", "loss_mask"):
-        if arrays[name].size != response_total:
-            raise WireError(
-                "bad_array", f"{name} has {arrays[name].size} tokens, metas say {response_total}"
-            )
-    samples, p, r = [], 0, 0
-    for meta in metas:
-        response = slice(r, r + meta.response_len)
-        samples.append(
-            Sample(
-                meta,
-                arrays["prompt_ids"][p : p + meta.prompt_len],
-                arrays["response_ids"][response],
-                arrays["logprobs"][response],
-                arrays["token_versions"][response],
-                arrays["loss_mask"][response],
-            )
-        )
-        p += meta.prompt_len
-        r += meta.response_len
-    return samples

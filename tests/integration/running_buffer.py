@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import uvloop
 
-from asyncrl.buffer.service import BufferService, build_store
+from asyncrl.buffer.main import build_store
+from asyncrl.buffer.service import BufferService
 from asyncrl.buffer.store import BufferStore
 from asyncrl.config import Config
 from asyncrl.tasks import work_item_factory

@@ -19,7 +19,7 @@ import zmq
 from buffer_wire import Peers, buffer_config, exchange, send_samples
 from running_buffer import RunningBuffer, running_buffer
 
-from asyncrl.buffer.service import busy_fraction
+from asyncrl.buffer.metrics import busy_fraction
 from asyncrl.messages import (
     Ack,
     BatchRequest,

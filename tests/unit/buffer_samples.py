@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from asyncrl.buffer.store import BufferStore, Sample
+from asyncrl.config import BufferConfig
 from asyncrl.messages import TrajectoryMeta, WorkItem
 
 TIMEOUT = 10.0
@@ -15,13 +16,21 @@ def make_store(
     samples_per_step: int = 4,
     max_staleness: int = 1,
     admission_control: bool = True,
+    eval_items: list[WorkItem] | tuple = (),
     **options,
 ) -> BufferStore:
+    """A store of groups of ``group_size``; ``options`` are ``buffer`` settings (here
+    ``stale_retries`` defaults to 0 and ``heartbeat_timeout_s`` to ``TIMEOUT``)."""
+
     def make_item(index: int) -> WorkItem:
         return WorkItem(group_id=index, num_samples=group_size, prompt_ids=[1, 2], ground_truth="x")
 
     options.setdefault("heartbeat_timeout_s", TIMEOUT)
-    return BufferStore(make_item, samples_per_step, max_staleness, admission_control, **options)
+    options.setdefault("stale_retries", 0)
+    config = BufferConfig(
+        max_staleness=max_staleness, admission_control=admission_control, **options
+    )
+    return BufferStore(config, make_item, samples_per_step, eval_items)
 
 
 def make_sample(

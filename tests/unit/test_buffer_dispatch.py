@@ -12,6 +12,7 @@ from buffer_samples import TIMEOUT, group_samples, make_sample, make_store
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from asyncrl.buffer.durable import unfinished_groups
 from asyncrl.buffer.store import BufferStore, Sample
 from asyncrl.messages import Heartbeat, WorkItem, decode, encode
 
@@ -48,7 +49,7 @@ def assert_accounting(store: BufferStore) -> None:
 
 def assert_every_prompt_named(store: BufferStore, trained: set[int]) -> None:
     """Invariant 8: below the cursor each prompt is trained, unfinished or skipped by id."""
-    named = [*trained, *store.unfinished_groups(), *(skip.group_id for skip in store.skipped)]
+    named = [*trained, *unfinished_groups(store), *(skip.group_id for skip in store.skipped)]
     assert sorted(named) == list(range(store.cursor))
 
 
@@ -517,7 +518,7 @@ def test_random_interleavings_with_generator_deaths_keep_the_buffer_invariants(
             group_size * (store.cursor - skipped_stale) - store.counters["filtered"]
         )
         assert_every_prompt_named(store, {group for group, _ in served})
-        assert all(times <= stale_retries for times in store.stale_evictions.values())
+        assert all(times <= stale_retries for times in store.prompts.stale_evictions.values())
         assert not set(store.in_flight) & set(ids(store.requeue))
         for group in store.in_flight.values():
             assert all(s.meta.generator_id == group.generator_id for s in group.samples.values())

@@ -12,7 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from asyncrl.buffer.service import BufferService, build_store
+from asyncrl.buffer.main import build_store
+from asyncrl.buffer.service import BufferService
 from asyncrl.config import load_config
 from asyncrl.messages import (
     Ack,

@@ -17,8 +17,10 @@ from buffer_samples import group_samples, make_store
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.buffer.durable import Skip
-from asyncrl.buffer.service import SKIPPED_PROMPTS, BufferService, build_store, restore_from
+from asyncrl.buffer.durable import Skip, unfinished_groups
+from asyncrl.buffer.main import build_store, restore_from
+from asyncrl.buffer.service import BufferService
+from asyncrl.buffer.skips import SKIPPED_PROMPTS
 from asyncrl.buffer.store import BufferStore
 from asyncrl.config import load_config
 from asyncrl.paths import BUFFER_STATE
@@ -31,7 +33,7 @@ def ids(items) -> list[int]:
 def go_stale(store: BufferStore, group_id: int, generator: str = "gen-0") -> None:
     """Complete ``group_id`` at the current version, then move the version past its reach."""
     store.ingest(group_samples(store, group_id, generator, versions=[store.policy_version]))
-    store.set_policy_version(store.policy_version + store.max_staleness + 1)
+    store.set_policy_version(store.policy_version + store.config.max_staleness + 1)
     assert store.take_batch() is None
 
 
@@ -75,7 +77,7 @@ def test_a_prompt_out_of_stale_retries_is_skipped_by_id_and_frees_its_budget():
     go_stale(store, 0)  # version 2: out of retries
     assert store.skipped == [Skip(0, "stale", 2)]
     assert store.started_samples == 0
-    assert store.stale_evictions == {}
+    assert store.prompts.stale_evictions == {}
     state = store.durable_state()
     assert state["unfinished_groups"] == []
     assert state["skipped_groups"] == [{"group_id": 0, "reason": "stale", "step": 2}]
@@ -179,14 +181,18 @@ def test_a_trained_group_past_the_cursor_not_reached_yet_is_kept_in_the_next_sta
     resumed.restore(state)
     handed_out = ids(resumed.dispatch("gen-1", 100))
     assert 9 not in handed_out and 10 in handed_out  # passed over
-    assert resumed.trained_ahead == set()
+    assert resumed.new_prompts.trained_ahead == set()
 
 
 def test_a_state_without_the_new_fields_restores_as_before():
     store = make_store(group_size=2, samples_per_step=4, max_staleness=1)
     store.restore(base_state())
     assert ids(store.dispatch("gen-0", 100)) == [1, 3, 4, 5, 6, 7]
-    assert store.skipped == [] and store.stale_evictions == {} and store.trained_ahead == set()
+    assert (
+        store.skipped == []
+        and store.prompts.stale_evictions == {}
+        and store.new_prompts.trained_ahead == set()
+    )
 
 
 @pytest.mark.parametrize(
@@ -263,7 +269,7 @@ def run_randomly(store: BufferStore, rng: random.Random, steps: int, trained: li
 
 def assert_every_prompt_named(store: BufferStore, trained: list[int]) -> None:
     """Invariant 8: below the cursor, each prompt is trained, unfinished or skipped, once."""
-    unfinished = store.unfinished_groups()
+    unfinished = unfinished_groups(store)
     skipped = [skip.group_id for skip in store.skipped]
     everything = trained + unfinished + skipped
     assert sorted(everything) == list(range(store.cursor)), "a prompt lost or counted twice"
@@ -286,7 +292,7 @@ def test_every_prompt_is_trained_unfinished_or_skipped_by_id_across_a_resume(
     trained: list[int] = []
     run_randomly(first, rng, before, trained)
     assert_every_prompt_named(first, trained)
-    assert all(times <= retries for times in first.stale_evictions.values())
+    assert all(times <= retries for times in first.prompts.stale_evictions.values())
     state = roundtrip(first.durable_state())
     run_randomly(first, rng, 5, [])  # lost with the crash
 
@@ -318,15 +324,17 @@ def read_record(run_dir) -> list[dict]:
 def test_the_service_appends_each_skipped_prompt_to_skipped_prompts_jsonl(
     service, tmp_path, caplog
 ):
-    service._start_skip_record()
+    service.skips.start(service.store.skipped)
     assert not (tmp_path / SKIPPED_PROMPTS).exists()  # a new run that skipped nothing
     service.store.dispatch("gen-0", 2)
     go_stale(service.store, 0)
-    service._record_skips()
+    service.skips.record(service.store.skipped, stale_retries=0)
     assert ids(service.store.dispatch("gen-0", 2)) == [1]
     go_stale(service.store, 1)
-    service._record_skips()
-    service._record_skips()  # nothing new: nothing written twice
+    service.skips.record(service.store.skipped, stale_retries=0)
+    service.skips.record(
+        service.store.skipped, stale_retries=0
+    )  # nothing new: nothing written twice
     assert read_record(tmp_path) == [
         {"group_id": 0, "reason": "stale", "step": 1},
         {"group_id": 1, "reason": "stale", "step": 2},
@@ -339,13 +347,15 @@ def test_a_resumed_service_rewrites_the_record_from_the_checkpoint(service, tmp_
     (tmp_path / SKIPPED_PROMPTS).write_text('{"group_id": 7, "reason": "stale", "step": 9}\n')
     skip = {"group_id": 2, "reason": "filtered_truncated", "step": 1}
     service.store.restore(base_state(skipped_groups=[skip]))
-    service._start_skip_record()  # the skip of group 7 came after the checkpoint: undone
+    service.skips.start(
+        service.store.skipped
+    )  # the skip of group 7 came after the checkpoint: undone
     assert read_record(tmp_path) == [skip]
 
 
 def test_build_store_takes_stale_retries_from_the_config():
     config = load_config(None, ["model.tiny={}", "buffer.stale_retries=5"])
-    assert build_store(config, lambda index: None, eval_items=[]).stale_retries == 5
+    assert build_store(config, lambda index: None, eval_items=[]).config.stale_retries == 5
 
 
 @pytest.mark.parametrize("text", ["{not json", json.dumps(base_state(cursor=-3))])

@@ -167,7 +167,7 @@ def test_a_group_at_exactly_max_staleness_is_still_served():
     # staleness 1 - 0 = 1 <= k = 1
     batch = store.take_batch()
     assert keys(batch) == [(0, 0), (0, 1)]
-    assert store.served_staleness == [1, 1]
+    assert store.batches.served_staleness == [1, 1]
 
 
 def test_a_sample_is_as_old_as_its_oldest_token():
@@ -181,7 +181,7 @@ def test_a_sample_is_as_old_as_its_oldest_token():
     batch = store.take_batch()
     assert keys(batch) == [(1, 0), (1, 1)]
     assert store.counters["dropped_stale"] == 2
-    assert all(store.policy_version - s.version <= store.max_staleness for s in batch)
+    assert all(store.policy_version - s.version <= store.config.max_staleness for s in batch)
 
 
 def test_no_served_sample_is_staler_than_max_staleness():
@@ -357,7 +357,7 @@ def test_samples_whose_reward_function_failed_are_counted_by_tag():
 
 
 def test_generator_counters_are_averaged_and_summed_over_generators():
-    from asyncrl.buffer.service import generators_summary
+    from asyncrl.buffer.metrics import generators_summary
 
     summary = generators_summary(
         {
@@ -371,7 +371,7 @@ def test_generator_counters_are_averaged_and_summed_over_generators():
 
 
 def test_generator_counters_are_summed_per_pool():
-    from asyncrl.buffer.service import pools_summary
+    from asyncrl.buffer.metrics import pools_summary
 
     per_generator = {
         "fast-0": {"samples_sent": 10.0, "restarts": 1.0},

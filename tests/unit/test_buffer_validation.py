@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from buffer_samples import make_store
 
-from asyncrl.buffer.service import RejectionLog
+from asyncrl.buffer.peers import RejectionLog
 from asyncrl.buffer.validation import (
     LOGPROB_MAX,
     MAX_POOLS,
@@ -351,6 +351,6 @@ def test_a_batch_the_learner_could_not_be_sent_goes_back_at_once():
         assert buffer.store.counters["served"] == 0
         assert buffer.store.counters["returned_unconsumed"] == 4
         assert buffer.store.held_samples() == 4  # ready for the learner's next request
-        assert buffer.last_served_to is None  # and no abandoned request can return it again
+        assert buffer.learner.last_served_to is None  # and no abandoned request can return it again
     finally:
         buffer.close()

@@ -7,6 +7,7 @@ import asyncio
 import io
 import json
 import math
+import time
 
 import msgspec
 import pytest
@@ -85,7 +86,7 @@ def test_with_no_round_the_request_is_answered_at_once_saying_so(service):
     buffer = service(*EVAL)
     buffer.handle(LEARNER, EvalResultsRequest(wait_s=30.0))
     assert buffer.last(LEARNER) == EvalResults([], running_round=-1)
-    assert buffer.held_results is None
+    assert buffer.held.results is None
 
 
 def test_a_request_is_held_until_the_running_round_completes(service):
@@ -104,7 +105,7 @@ def test_a_request_is_held_until_the_running_round_completes(service):
     (results,) = reply.results
     assert (results["eval_round"], results["eval_policy_version"]) == (5.0, 5.0)
     assert results["eval_reward_mean"] == 0.5 and results["eval_samples"] == 2
-    assert buffer.held_results is None
+    assert buffer.held.results is None
 
 
 def test_results_no_batch_carried_are_handed_over_once(service):
@@ -129,9 +130,9 @@ def test_a_held_request_is_answered_at_its_deadline_with_the_round_still_running
     buffer.store.set_policy_version(2)  # the learner's steps up to it (one at a time)
     buffer.handle(LEARNER, StartEval(round=2, policy_version=2))
     buffer.handle(LEARNER, EvalResultsRequest(wait_s=0.5))
-    assert buffer.held_results is not None
-    assert buffer._poll_timeout_ms() <= 500  # the loop wakes up for the deadline
-    asyncio.run(buffer._serve_results(buffer.held_results.deadline))
+    assert buffer.held.results is not None
+    assert buffer.held.poll_timeout_ms(100_000, time.monotonic()) <= 500  # wakes for it
+    asyncio.run(buffer.learner.serve_results(buffer.held.results.deadline))
     assert buffer.last(LEARNER) == EvalResults([], running_round=2)
 
 
@@ -142,7 +143,7 @@ def test_a_newer_request_answers_the_held_one_first(service):
     buffer.handle(b"old", EvalResultsRequest(wait_s=30.0))
     buffer.handle(LEARNER, EvalResultsRequest(wait_s=30.0))
     assert buffer.last(b"old") == EvalResults([], running_round=2)
-    assert buffer.held_results.identity == LEARNER
+    assert buffer.held.results.identity == LEARNER
 
 
 def test_a_request_for_results_is_refused_when_the_run_has_no_eval(service):

@@ -1,0 +1,167 @@
+"""The buffer's metrics: flat ``buffer_*`` and ``generators_*`` figures from its state.
+
+Every batch's ``stats`` and every ``Status`` reply carry them; ``metrics.jsonl``,
+the console and ``asyncrl status`` read them by these names. Pure functions of
+the store and of the service's counters: nothing here changes state except
+:class:`IngestRate`, which closes its interval when read.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from asyncrl.buffer.counters import REPORTED, Count
+from asyncrl.buffer.groups import SKIP_REASONS
+
+if TYPE_CHECKING:
+    from asyncrl.buffer.store import BufferStore
+
+REJECTION_REASONS = (
+    "forbidden",
+    "wrong_incarnation",
+    "bad_version",
+    "bad_step",
+    "bad_tokens",
+    "bad_logprobs",
+    "bad_reward",
+    "bad_lengths",
+    "bad_prompt",
+    "bad_index",
+    "bad_mask",
+    "bad_stats",
+    "bad_pool",
+    "bad_field",
+    "bad_array",
+    "bad_header",
+    "oversized",
+    "unroutable_reply",
+)
+"""``buffer_rejected_<reason>`` counters reported in every batch's stats (and status),
+0 until one happens; any other reason appears once it is counted."""
+
+
+class IngestRate:
+    """Accepted samples per second between the last two readings."""
+
+    def __init__(self) -> None:
+        self.rate = 0.0
+        self.mark: tuple[float, int] | None = None
+        """(time, accepted) where the current interval started."""
+
+    def start(self, now: float, accepted: int) -> None:
+        """Start the first interval (at the first sign of a generator), once."""
+        if self.mark is None:
+            self.mark = (now, accepted)
+
+    def read(self, now: float, accepted: int) -> float:
+        """Close the interval at ``now``: the rate over it, and a new one starts."""
+        if self.mark is None:
+            self.mark = (now, accepted)
+            return self.rate
+        start, before = self.mark
+        if now > start:
+            self.rate = (accepted - before) / (now - start)
+            self.mark = (now, accepted)
+        return self.rate
+
+
+def store_metrics(store: BufferStore) -> dict[str, float]:
+    """Flat ``buffer_*`` metrics of ``store``: each reported counter under its
+    :attr:`~asyncrl.buffer.counters.Count.metric`, gauges, means, the staleness of
+    the last batch, and each work source's own (eval rounds')."""
+    c = store.counters
+    accepted = c[Count.ACCEPTED]
+    stats = {
+        "buffer_held": float(store.held_samples()),
+        "buffer_held_bytes": float(store.held_bytes()),
+        "buffer_in_flight_groups": float(len(store.in_flight)),
+        "buffer_requeue_waiting": float(len(store.requeue)),
+        "buffer_generators_alive": float(len(store.last_seen)),
+        **{count.metric: float(c[count]) for count in REPORTED if count.metric},
+        **{
+            f"buffer_reward_{kind}": float(value)
+            for kind, value in store.reward_error_kinds.items()
+        },
+        "buffer_evicted_frac": c[Count.DROPPED_STALE] / accepted if accepted else 0.0,
+        "buffer_stale_retries_pending": float(len(store.prompts.stale_evictions)),
+        "buffer_prompts_skipped": float(len(store.skipped)),
+        **{
+            f"buffer_prompts_skipped_{reason}": float(store.prompts.by_reason[reason])
+            for reason in SKIP_REASONS
+        },
+        "buffer_ingest_rate": store.ingest_rate.rate,
+        "buffer_cursor": float(store.cursor),
+        "buffer_response_len_served_mean": _mean(c[Count.SERVED_RESPONSE_TOKENS], c[Count.SERVED]),
+        "buffer_response_len_evicted_mean": _mean(
+            c[Count.DROPPED_STALE_RESPONSE_TOKENS], c[Count.DROPPED_STALE]
+        ),
+    }
+    counts = Counter(store.batches.served_staleness)
+    for j in range(store.config.max_staleness + 1):  # samples of staleness j, last batch
+        stats[f"buffer_staleness_{j}"] = float(counts[j])
+    for source in store.sources:
+        stats |= source.stats()
+    return stats
+
+
+def service_metrics(
+    rejected: Counter[str], counters: Counter[str], held_now: int
+) -> dict[str, float]:
+    """The service's own counters: rejected messages and held work requests."""
+    reasons = [*REJECTION_REASONS, *(r for r in rejected if r not in REJECTION_REASONS)]
+    stats = {f"buffer_rejected_{r}": float(rejected[r]) for r in reasons}
+    return stats | {
+        "buffer_abandon_noops": float(counters["abandon_noops"]),
+        "buffer_work_requests_capped": float(counters["work_requests_capped"]),
+        "buffer_work_requests_held": float(counters["work_requests_held"]),
+        "buffer_work_requests_held_granted": float(counters["work_requests_held_granted"]),
+        "buffer_work_requests_held_now": float(held_now),
+    }
+
+
+def generators_summary(per_generator: dict[str, dict[str, float]]) -> dict[str, float]:
+    """``generators_<key>``: the mean over generators of each latest counter (latencies),
+    and ``generators_<key>_total`` the sum (counts such as swaps and reward errors)."""
+    summary: dict[str, float] = {}
+    keys = sorted({key for stats in per_generator.values() for key in stats})
+    for key in keys:
+        values = [stats[key] for stats in per_generator.values() if key in stats]
+        summary[f"generators_{key}"] = sum(values) / len(values)
+        summary[f"generators_{key}_total"] = float(sum(values))
+    return summary
+
+
+def busy_fraction(
+    per_generator: dict[str, dict[str, float]], live: Iterable[str]
+) -> dict[str, float]:
+    """``generators_busy_fraction``: the share of their time the live replicas spent
+    generating or loading weights (their ``busy_s`` over their ``wall_s``, summed), so an
+    idle fleet (a learner-bound run, a sync run's training phase) shows. Absent until a
+    live replica has reported."""
+    reports = [per_generator[g] for g in live if g in per_generator]
+    wall = sum(stats.get("wall_s", 0.0) for stats in reports)
+    if wall <= 0:
+        return {}
+    busy = sum(stats.get("busy_s", 0.0) for stats in reports)
+    return {"generators_busy_fraction": busy / wall}
+
+
+def pools_summary(
+    per_generator: dict[str, dict[str, float]], pools: dict[str, str]
+) -> dict[str, float]:
+    """``pool_<name>_<key>_total``: each counter summed over the pool's generators, and
+    ``pool_<name>_replicas``: how many of them have reported (restarted ones included)."""
+    summary: dict[str, float] = {}
+    for generator, stats in per_generator.items():
+        pool = pools.get(generator, "default")
+        summary[f"pool_{pool}_replicas"] = summary.get(f"pool_{pool}_replicas", 0.0) + 1
+        for key, value in stats.items():
+            name = f"pool_{pool}_{key}_total"
+            summary[name] = summary.get(name, 0.0) + value
+    return summary
+
+
+def _mean(total: int, count: int) -> float:
+    return total / count if count else 0.0
