@@ -294,7 +294,7 @@ def check_environment(
     environment = config.environment
     if environment is None:
         return [], None
-    from asyncrl.envs.config import environment_factory
+    from asyncrl.envs.factory import environment_factory
     from asyncrl.envs.formatting import build_formatter
     from asyncrl.envs.tool_env import DEFAULT_SCORE
 

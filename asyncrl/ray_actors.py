@@ -1,6 +1,6 @@
 """What runs inside each Ray actor of a run: one role, exactly as the local launcher runs it.
 
-:class:`RoleActor` is a plain class; :mod:`asyncrl.ray_cluster` wraps it with
+:class:`RoleActor` is a plain class; :mod:`asyncrl.ray_placement` wraps it with
 ``ray.remote`` and the resources of the role it will hold. An actor first
 reports where it landed (:meth:`RoleActor.start`), then runs its role through
 :func:`asyncrl.roles.main` (:meth:`RoleActor.run`), the same entry point as
@@ -24,6 +24,8 @@ import socket
 import sys
 import traceback
 from pathlib import Path
+
+from asyncrl.stop_signals import StopSignals
 
 
 class RoleActor:
@@ -74,24 +76,24 @@ class RoleActor:
         role's error is written to its log, as it would be by a process.
         """
         os.environ.update(env)
-        signal.signal(signal.SIGTERM, _raise_stopped)
-        from asyncrl.roles import main
+        with StopSignals((signal.SIGTERM,), on_stop=_raise_stopped):
+            from asyncrl.roles import main
 
-        try:
-            main(argv)
-        except Stopped:
-            print(f"asyncrl: {argv[0]} stopped by SIGTERM", file=sys.stderr, flush=True)
-        except BaseException:
-            traceback.print_exc()
-            sys.stderr.flush()
-            raise
+            try:
+                main(argv)
+            except Stopped:
+                print(f"asyncrl: {argv[0]} stopped by SIGTERM", file=sys.stderr, flush=True)
+            except BaseException:
+                traceback.print_exc()
+                sys.stderr.flush()
+                raise
 
 
 class Stopped(BaseException):
     """Raised in a role by SIGTERM when the role has no handler of its own."""
 
 
-def _raise_stopped(signum: int, frame: object) -> None:
+def _raise_stopped(signum: int) -> None:
     raise Stopped
 
 

@@ -32,9 +32,6 @@ CONFIG_ENV = "ASYNCRL_CONFIG"
 """The launcher's validated config, as JSON, for the role it starts."""
 CONFIG_ENV_MAX_BYTES = 120 * 1024
 """Linux refuses to start a process with one environment string over 128 KiB."""
-LEARNER_STORE_ENV = "ASYNCRL_LEARNER_STORE"
-"""The file through which learner ranks on one machine form their process group
-(:func:`asyncrl.learner.distributed.init`); set by the launcher."""
 
 log = logging.getLogger("asyncrl.roles")
 
@@ -91,7 +88,7 @@ def main(argv: list[str] | None = None) -> str:
     progress.start(args.run_dir, name, args.role)  # "starting" until its main loop runs
     config = read_config(args.run_dir)
     if args.role == "buffer":
-        from asyncrl.buffer.service import run
+        from asyncrl.buffer.main import run
 
         run(config, args.run_dir, args.resume_from)
     elif args.role == "learner":

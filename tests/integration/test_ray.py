@@ -21,9 +21,7 @@ import pytest
 import yaml
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.ray_cluster import (
-    RayRun,
-    StopRequests,
+from asyncrl.ray_plan import (
     check_resources,
     generator_replicas,
     learner_bundles,
@@ -31,7 +29,9 @@ from asyncrl.ray_cluster import (
     local_resources,
     rank_env,
 )
+from asyncrl.ray_run import RayRun
 from asyncrl.status import read_metrics
+from asyncrl.stop_signals import StopSignals
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs/quickstart.yaml"
@@ -179,7 +179,7 @@ def supervised(tmp_path: Path, script: Callable[[FakeRay], None]) -> tuple:
     config = load_config(QUICKSTART, ["cluster.backend=ray", "generators.replicas=1"])
     ray, console = FakeRay(script), RecordingConsole()
     (tmp_path / "logs").mkdir()  # made by the launcher before RayRun
-    run = RayRun(ray, config, tmp_path, None, StopRequests())
+    run = RayRun(ray, config, tmp_path, None, StopSignals())
     run.create_actors()
     run.run_roles()
     return run.supervise(console), ray, console

@@ -27,8 +27,9 @@ from test_ray import QUICKSTART, FakeRay, FakeTaskError, RecordingConsole
 
 from asyncrl.config import load_config
 from asyncrl.paths import latest_checkpoint
-from asyncrl.ray_cluster import RayRun, StopRequests
+from asyncrl.ray_run import RayRun
 from asyncrl.status import read_metrics
+from asyncrl.stop_signals import StopSignals
 from asyncrl.watchdog import START_FAILURES, START_TIMEOUT_S, Watchdog
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,7 +65,7 @@ def ray_run(tmp_path: Path, script, *overrides: str) -> tuple[RayRun, FakeRay, C
     config = load_config(QUICKSTART, ["cluster.backend=ray", "generators.replicas=1", *overrides])
     ray, clock = FakeRay(script), Clock()
     (tmp_path / "logs").mkdir()
-    run = RayRun(ray, config, tmp_path, None, StopRequests())
+    run = RayRun(ray, config, tmp_path, None, StopSignals())
     run.watchdog = Watchdog(tmp_path, config.run.stall_timeout_s, clock=clock)
     run.create_actors()
     for member in run.members:

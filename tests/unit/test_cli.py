@@ -46,11 +46,9 @@ def test_export_model_names_a_missing_gguf_file(tmp_path, capsys):
 def test_launch_refuses_to_run_model_code_without_its_sandbox(tmp_path, monkeypatch, capsys):
     """A tool environment whose isolation cannot be built stops the launch before any
     process or run directory exists, with one line that says how to install it."""
-    from asyncrl.envs import tools
-    from asyncrl.envs.sandbox import Sandbox
+    from asyncrl.envs.sandbox import runner as sandbox_runner
 
-    unbuildable = Sandbox(bwrap=str(tmp_path / "no-bwrap-here"))
-    monkeypatch.setattr(tools, "python_sandbox_for", lambda **_: unbuildable)
+    monkeypatch.setattr(sandbox_runner, "bwrap_path", lambda name: None)  # not installed
     run_dir = tmp_path / "run"
     config = Path(__file__).resolve().parents[2] / "configs" / "tool_calling.yaml"
     assert main(["launch", str(config), "--run-dir", str(run_dir)]) == 2

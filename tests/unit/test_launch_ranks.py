@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import launch
+from asyncrl import supervision
 from asyncrl.config import load_config, save_config
-from asyncrl.launch import RankGroup, Supervisor
+from asyncrl.local_run import RankGroup, Supervisor
 from asyncrl.roles import CONFIG_ENV, config_env, read_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,7 +62,7 @@ def wait_for(condition, timeout_s: float = 10.0) -> None:
 def test_any_rank_failing_fails_the_learner_and_the_stop_ends_every_rank(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(launch, "GENERATORS_STOP_S", 0.0)
+    monkeypatch.setattr(supervision, "GENERATORS_STOP_S", 0.0)
     healthy, failing = rank(), rank(status=3, sleep_s=0.2)
     supervisor = supervisor_with(tmp_path, RankGroup([healthy, failing]))
     try:

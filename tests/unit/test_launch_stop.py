@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import launch
+from asyncrl import closing, launch, local_run, supervision
 from asyncrl.config import load_config
-from asyncrl.launch import Supervisor, stop_phases, stop_timeout_s
+from asyncrl.local_run import Supervisor
+from asyncrl.supervision import stop_phases, stop_timeout_s
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,7 +52,7 @@ def test_learner_deadline_follows_its_stop_timeout() -> None:
 def test_a_slow_final_checkpoint_is_waited_for_only_as_long_as_configured(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop_timeout: float, exit_status: int
 ) -> None:
-    monkeypatch.setattr(launch, "GENERATORS_STOP_S", 0.0)  # no generators to wait for
+    monkeypatch.setattr(supervision, "GENERATORS_STOP_S", 0.0)  # no generators to wait for
     supervisor = Supervisor(config(f"learner.stop_timeout_s={stop_timeout}"), tmp_path)
     learner = slow_learner(save_s=1.0)
     supervisor.processes["learner"] = learner
@@ -110,12 +111,12 @@ def test_a_fault_of_the_launcher_while_supervising_stops_the_run_and_says_so(
         raise RuntimeError("a tick went wrong")
 
     console, stopped = RecordingConsole(), []
-    monkeypatch.setattr(launch, "open_console", lambda *args: contextlib.nullcontext(console))
-    monkeypatch.setattr(launch, "_prctl", lambda option, value: None)  # not on pytest
-    monkeypatch.setattr(launch, "_kill_orphans", lambda: None)  # pytest's children are not ours
+    monkeypatch.setattr(local_run, "open_console", lambda *args: contextlib.nullcontext(console))
+    monkeypatch.setattr(local_run, "_prctl", lambda option, value: None)  # not on pytest
+    monkeypatch.setattr(local_run, "_kill_orphans", lambda: None)  # pytest's children are not ours
     monkeypatch.setattr(Supervisor, "start_all", lambda self, resume_from=None: None)
     monkeypatch.setattr(Supervisor, "stop_all", lambda self, hurry: stopped.append(True))
-    monkeypatch.setattr(launch, "supervise", broken)
+    monkeypatch.setattr(local_run, "supervise", broken)
     assert launch.launch(config(), tmp_path / "run", quiet=True) == 1
     assert stopped == [True]
     trace, closing = console.notes[-2:]
@@ -136,17 +137,15 @@ def test_a_fault_of_the_launcher_while_supervising_stops_the_run_and_says_so(
     ],
 )
 def test_the_closing_line_shows_any_final_eval_record_without_raising(tmp_path, record, shown):
-    from asyncrl.launch import final_eval_text
-
     (tmp_path / "final").mkdir()
     (tmp_path / "final" / "eval.json").write_text(json.dumps(record))
-    assert final_eval_text(tmp_path).startswith(shown)
+    assert closing.final_eval_text(tmp_path).startswith(shown)
 
 
 @pytest.mark.parametrize(("free_mib", "said"), [(0.5, True), (15.9, True), (16, False)])
 def test_a_failed_run_on_a_full_disk_says_so(tmp_path, monkeypatch, free_mib, said):
-    usage = launch.shutil.disk_usage(tmp_path)._replace(free=int(free_mib * 2**20))
-    monkeypatch.setattr(launch.shutil, "disk_usage", lambda path: usage)
-    message = launch.closing_message(tmp_path, 1, "learner exited with status 1", 3.0)
+    usage = closing.shutil.disk_usage(tmp_path)._replace(free=int(free_mib * 2**20))
+    monkeypatch.setattr(closing.shutil, "disk_usage", lambda path: usage)
+    message = closing.closing_message(tmp_path, 1, "learner exited with status 1", 3.0)
     assert ("No space left on device" in message) is said
     assert message.startswith("asyncrl: run failed: learner exited with status 1")

@@ -17,8 +17,9 @@ import pytest
 
 from asyncrl import progress
 from asyncrl.config import load_config
-from asyncrl.launch import Replica, Supervisor
+from asyncrl.local_run import Supervisor
 from asyncrl.progress import Progress, progress_path
+from asyncrl.supervision import Replica
 from asyncrl.watchdog import (
     START_FAILURES,
     START_TIMEOUT_S,
