@@ -72,10 +72,10 @@ ROWS: list[tuple[str, str, str]] = [
      f"{TESTS}::test_an_unwritable_run_directory_is_refused_in_one_line"),
     ("reward-hang", "contained",
      f"{CONTAINED_TEST}; "
-     "tests/unit/test_rewards.py::test_a_hanging_function_times_out_without_blocking_the_caller"),
+     "tests/unit/rewards/test_rewards.py::test_a_hanging_function_times_out_without_blocking_the_caller"),
     ("reward-crash", "contained",
      f"{CONTAINED_TEST}; "
-     "tests/unit/test_rewards.py::"
+     "tests/unit/rewards/test_rewards.py::"
      "test_a_function_that_kills_its_worker_scores_zero_and_the_worker_is_replaced"),
     ("reward-flood", "contained", CONTAINED_TEST),
 ]  # fmt: skip

@@ -13,7 +13,7 @@ Run by hand from the repository root::
 
     python scripts/import_graph.py          # cycles, then layer violations; exit 1 if any
 
-The layers themselves are declared in ``tests/unit/test_import_graph.py``, which
+The layers themselves are declared in ``tests/unit/core/test_import_graph.py``, which
 imports this module.
 """
 

@@ -10,7 +10,7 @@ that no process of the run is left. Durations are measured by
 Rows backed elsewhere, so not run again here: ``test_supervision.py`` (kill -9 of a
 generator; SIGINT/SIGTERM; every process killed, then resumed), ``test_buffer_death.py``
 (kill -9 of the buffer, then resumed), ``test_disk_full.py`` (the learner on a full
-disk), ``tests/unit/test_rewards.py`` (the scorer under a hanging or crashing function).
+disk), ``tests/unit/rewards/test_rewards.py`` (the scorer under a hanging or crashing function).
 """
 
 from __future__ import annotations

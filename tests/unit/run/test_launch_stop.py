@@ -16,7 +16,7 @@ from asyncrl.config import load_config
 from asyncrl.local_run import Supervisor
 from asyncrl.supervision import stop_phases, stop_timeout_s
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 SLOW_TO_SAVE = """
 import signal, sys, time

@@ -37,7 +37,7 @@ from asyncrl.envs.calculator import CalculatorError, calculate
 from asyncrl.envs.tool_env import default_score
 from asyncrl.envs.tools import validate
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "custom_env.py"
 
 CHARS = Codec(encode=lambda text: [ord(c) for c in text], decode=lambda ids: "".join(map(chr, ids)))

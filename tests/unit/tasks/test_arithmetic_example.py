@@ -14,7 +14,7 @@ from asyncrl.data import PromptDataset
 from asyncrl.rewards import load_reward_function
 from asyncrl.tasks import build_tokenizer
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "arithmetic"
 
 

@@ -46,11 +46,13 @@ def test_export_model_names_a_missing_gguf_file(tmp_path, capsys):
 def test_launch_refuses_to_run_model_code_without_its_sandbox(tmp_path, monkeypatch, capsys):
     """A tool environment whose isolation cannot be built stops the launch before any
     process or run directory exists, with one line that says how to install it."""
+    from asyncrl.envs.sandbox import checks as sandbox_checks
     from asyncrl.envs.sandbox import runner as sandbox_runner
 
     monkeypatch.setattr(sandbox_runner, "bwrap_path", lambda name: None)  # not installed
+    monkeypatch.setattr(sandbox_checks, "_CHECKED", set())  # forget earlier tests' probes
     run_dir = tmp_path / "run"
-    config = Path(__file__).resolve().parents[2] / "configs" / "tool_calling.yaml"
+    config = Path(__file__).resolve().parents[3] / "configs" / "tool_calling.yaml"
     assert main(["launch", str(config), "--run-dir", str(run_dir)]) == 2
     error = capsys.readouterr().err
     assert error.startswith("asyncrl: ") and error.count("\n") == 1

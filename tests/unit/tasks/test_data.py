@@ -250,7 +250,7 @@ def test_data_config_keys(tmp_path):
 # --------------------------------------------------------------------------
 # malformed files: one line naming the file and row, never a bare exception
 
-SMOLLM2 = Path(__file__).resolve().parents[2] / "models" / "SmolLM2-135M-Instruct"
+SMOLLM2 = Path(__file__).resolve().parents[3] / "models" / "SmolLM2-135M-Instruct"
 REFUSES_SYSTEM = (
     "{% if messages[0]['role'] == 'system' %}"
     "{{ raise_exception('System role not supported') }}{% endif %}" + TEMPLATE

@@ -25,7 +25,7 @@ from asyncrl.security import (
     role_password,
 )
 
-QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+QUICKSTART = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
 
 
 def cluster(*overrides: str):

@@ -1240,7 +1240,7 @@ def test_no_warning_when_corrected_or_on_policy():
 
 
 def test_the_quickstart_config_gets_no_warning_but_an_override_to_none_does():
-    quickstart = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+    quickstart = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
     assert config_warnings(load_config(quickstart)) == []
     overridden = load_config(quickstart, ["algorithm.correction=none"])
     assert len(config_warnings(overridden)) == 1

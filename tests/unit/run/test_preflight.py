@@ -15,7 +15,7 @@ from asyncrl import preflight as preflight_module
 from asyncrl.config import load_config
 from asyncrl.preflight import PreflightError, preflight
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SMOLLM2 = ROOT / "models" / "SmolLM2-135M-Instruct"
 ARITHMETIC = ROOT / "data" / "arithmetic"
 TEMPLATE = (

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from import_graph import (  # noqa: E402  (scripts/ is not a package)
@@ -166,7 +166,7 @@ def test_every_module_has_a_layer(graph):
     unplaced = sorted(module for module in graph if layer_of(module, LAYERS) is None)
     assert not unplaced, (
         f"modules in no layer: {', '.join(unplaced)}. "
-        "Add each to LAYERS in tests/unit/test_import_graph.py"
+        "Add each to LAYERS in tests/unit/core/test_import_graph.py"
     )
 
 

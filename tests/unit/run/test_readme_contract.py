@@ -16,7 +16,7 @@ import pytest
 
 from asyncrl.config import load_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def readme_commands() -> list[str]:

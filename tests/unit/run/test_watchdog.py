@@ -28,7 +28,7 @@ from asyncrl.watchdog import (
     failure_line,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 class Clock:

@@ -22,7 +22,7 @@ from asyncrl.config import load_config, save_config
 from asyncrl.local_run import RankGroup, Supervisor
 from asyncrl.roles import CONFIG_ENV, config_env, read_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 RANK = """
 import signal, sys, time

@@ -139,7 +139,7 @@ def test_eval_prompts_from_files_are_a_fixed_sample_of_distinct_rows(tmp_path):
 
 
 def test_the_gsm8k_config_evaluates_on_the_test_split_the_converter_writes():
-    config = load_config(Path(__file__).resolve().parents[2] / "configs" / "gsm8k_grpo.yaml")
+    config = load_config(Path(__file__).resolve().parents[3] / "configs" / "gsm8k_grpo.yaml")
     assert config.data.train_files == ["data/gsm8k/train.parquet"]
     assert config.eval.files == ["data/gsm8k/test.parquet"]  # examples/data/gsm8k.py's test split
     assert config.eval.enabled and config.eval.before_training

@@ -10,7 +10,7 @@ import yaml
 from asyncrl.cli import main
 from asyncrl.config import Config, ConfigError, config_from_dict, load_config, save_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 
 

@@ -16,7 +16,7 @@ from asyncrl.envs import ToolEnvironment
 from asyncrl.envs.factory import environment_factory
 from asyncrl.rewards import REWARD_FUNCTIONS, check_reward_sources
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
