@@ -184,10 +184,18 @@ def main(argv: list[str] | None = None) -> int:
             args.config = None
         if args.config is None:
             args.config = resume / "config.yaml"
+    dropped: list[str] | None = (
+        [] if resume is not None and args.config == resume / "config.yaml" else None
+    )
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, args.overrides, dropped=dropped)
     except ConfigError as error:
         return _problems("invalid config", error.problems)
+    for knob in dropped or []:
+        print(
+            f"asyncrl: warning: {args.config}: {knob} ignored (saved by an earlier asyncrl)",
+            file=sys.stderr,
+        )
     for warning in config_warnings(config):
         print(f"asyncrl: warning: {warning}", file=sys.stderr)
     if args.command == "validate":  # what this machine lacks: a warning, not a refusal

@@ -17,7 +17,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SerializeAsAny, StrictInt, ValidationError, WrapValidator
+from pydantic import (
+    Field,
+    SerializeAsAny,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    WrapValidator,
+)
 from pydantic_core import InitErrorDetails
 
 from asyncrl.config.base import Section
@@ -148,7 +155,14 @@ def _users(key: str) -> list[str]:
     return [name for name, config in ADVANTAGE_CONFIGS.items() if key in config.model_fields]
 
 
-def _validate_algorithm(value: Any, handler: Any) -> AlgorithmConfig:
+SAVED_RUN = "saved_run"
+"""Validation context key: the config is one asyncrl saved (``RUN_DIR/config.yaml``).
+Earlier versions saved every estimator's knobs, which the chosen estimator ignored;
+such a knob is then dropped (and named in the context's list) instead of refused, so
+a run saved before the section was split still resumes."""
+
+
+def _validate_algorithm(value: Any, handler: Any, info: ValidationInfo) -> AlgorithmConfig:
     """Validate the section with the chosen estimator's config class; report a knob that
     only other estimators take, and an unknown estimator, by key, with the rest."""
     if isinstance(value, AlgorithmConfig):
@@ -173,7 +187,10 @@ def _validate_algorithm(value: Any, handler: Any) -> AlgorithmConfig:
     kept = {}
     for key, item in value.items():
         users = _users(key) if key not in config.model_fields else []
-        if users:
+        dropped = (info.context or {}).get(SAVED_RUN)
+        if users and dropped is not None:
+            dropped.append(f"algorithm.{key} (only used by advantage: {', '.join(users)})")
+        elif users:
             message = f"only used by advantage: {', '.join(users)} (this config uses {name})"
             problems.append(_problem(key, item, message))
         else:

@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from asyncrl.config.algorithm import SAVED_RUN
 from asyncrl.config.base import ConfigError, shorten, spec_file
 from asyncrl.config.errors import describe, origin
 from asyncrl.config.schema import Config
@@ -22,8 +23,18 @@ from asyncrl.yaml_files import (
 )
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Read YAML at ``path`` (optional), apply ``key.path=value`` overrides, validate."""
+def load_config(
+    path: str | Path | None,
+    overrides: list[str] | None = None,
+    *,
+    dropped: list[str] | None = None,
+) -> Config:
+    """Read YAML at ``path`` (optional), apply ``key.path=value`` overrides, validate.
+
+    ``dropped``: ``path`` is a config asyncrl saved (``RUN_DIR/config.yaml``); knobs an
+    earlier version saved for estimators the run does not use are dropped and named in
+    this list instead of refused (:data:`~asyncrl.config.algorithm.SAVED_RUN`).
+    """
     raw: dict[str, Any] = {}
     origins: dict[tuple[str, ...], str] = {}
     problems: list[str] = []
@@ -45,7 +56,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if problems:
         raise ConfigError(problems)
     try:
-        config = Config.model_validate(raw)
+        context = None if dropped is None else {SAVED_RUN: dropped}
+        config = Config.model_validate(raw, context=context)
     except ValidationError as error:
         raise ConfigError([describe(e, origins) for e in error.errors()]) from None
     problems = _missing_files(config, origins)

@@ -410,3 +410,39 @@ def test_pool_errors_name_the_key():
             None,
             ["model.tiny.hidden_size=64", "generators.pools=[{name: a, temperature: 0.7}]"],
         )
+
+
+def test_a_run_saved_with_every_estimators_knobs_still_resumes_with_a_warning(
+    tmp_path, monkeypatch, capsys
+):
+    """Before the algorithm section was split per estimator, a saved config.yaml held
+    ``lam``, ``gamma`` and ``value_*`` under grpo (ignored then): resuming such a run
+    drops them by name instead of refusing the run's own config."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    save_config(load_config(QUICKSTART), run_dir / "config.yaml")
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    saved["algorithm"] |= {"lam": 0.95, "gamma": 1.0, "value_coef": 0.5}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+
+    with pytest.raises(ConfigError, match="algorithm.lam: only used by advantage: gae"):
+        load_config(run_dir / "config.yaml")  # a config a person wrote: refused
+    dropped: list[str] = []
+    config = load_config(run_dir / "config.yaml", dropped=dropped)
+    assert config.algorithm.advantage == "grpo"
+    assert sorted(dropped) == [
+        "algorithm.gamma (only used by advantage: reinforce_pp, gae)",
+        "algorithm.lam (only used by advantage: gae)",
+        "algorithm.value_coef (only used by advantage: gae)",
+    ]
+
+    launched = []
+    monkeypatch.setattr(
+        "asyncrl.launch.launch", lambda config, *a, **k: launched.append(config) or 0
+    )
+    assert main(["launch", "--resume", str(run_dir)]) == 0
+    assert launched and launched[0].algorithm.advantage == "grpo"
+    err = capsys.readouterr().err
+    assert (
+        "algorithm.lam (only used by advantage: gae) ignored (saved by an earlier asyncrl)" in err
+    )
