@@ -13,11 +13,14 @@ byte sizes). Nothing here unpickles: a peer can send data, never code.
 
 Decoding raises :class:`WireError` with a short ``reason`` that receivers count
 (``rejected/<reason>``) before they carry on serving.
+
+The pieces every message shares (limits, array specs and frames, their checks) are in
+:mod:`asyncrl.wire`, the weights-transfer messages in :mod:`asyncrl.weight_messages`;
+both are re-exported here, so ``from asyncrl.messages import ...`` names every message.
 """
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Sequence
 from typing import Annotated, ClassVar
@@ -26,21 +29,81 @@ import msgspec
 import numpy as np
 
 from asyncrl.trajectory import WIRE_DTYPES
+from asyncrl.weight_messages import (
+    TensorEntry,
+    WeightsChunk,
+    WeightsChunkRequest,
+    WeightsGone,
+    WeightsManifest,
+    WeightsRequest,
+    WeightsUpToDate,
+)
+from asyncrl.wire import (
+    MAX_ARRAY_DIM,
+    MAX_ARRAY_DIMS,
+    MAX_HEADER_BYTES,
+    MAX_MESSAGE_BYTES,
+    SCHEMA_VERSION,
+    ArrayFrame,
+    ArraySpec,
+    Dimension,
+    Shape,
+    WireError,
+    _Body,
+    array_frames,
+    check_sizes,
+    header_error_reason,
+    received_arrays,
+)
 
-SCHEMA_VERSION = 1
-MAX_MESSAGE_BYTES = 1 << 31
-"""Default ceiling on one message (header plus frames); receivers may lower it."""
-MAX_HEADER_BYTES = 64 << 20
-"""Default ceiling on the header frame, checked before it is decoded; receivers may lower
-it (the buffer takes 1 MiB: ``asyncrl.buffer.service.MAX_HEADER_BYTES``). A learner's
-batch of thousands of samples, or a grant of many long prompts, stays far below it."""
-MAX_ARRAY_DIMS = 8
-"""An array (or a published tensor) has at most this many dimensions: checked while the
-header is decoded, before any size is computed from its shape (a product over 100,000
-dimensions would cost seconds of big-integer arithmetic)."""
-MAX_ARRAY_DIM = 1 << 40
-"""The largest size of one dimension: a product over ``MAX_ARRAY_DIMS`` of them stays a
-small integer."""
+__all__ = [
+    "MAX_ARRAY_DIM",
+    "MAX_ARRAY_DIMS",
+    "MAX_EVAL_WAIT_S",
+    "MAX_HEADER_BYTES",
+    "MAX_MESSAGE_BYTES",
+    "NOT_EVAL",
+    "SCHEMA_VERSION",
+    "Ack",
+    "ArrayFrame",
+    "ArraySpec",
+    "BatchRequest",
+    "Dimension",
+    "Envelope",
+    "ErrorReply",
+    "EvalResults",
+    "EvalResultsRequest",
+    "EvalRound",
+    "Heartbeat",
+    "Incarnation",
+    "Join",
+    "Joined",
+    "Leave",
+    "Message",
+    "SaveBufferState",
+    "Shape",
+    "StartEval",
+    "Status",
+    "StatusRequest",
+    "TensorEntry",
+    "Trajectories",
+    "TrajectoryMeta",
+    "WeightsChunk",
+    "WeightsChunkRequest",
+    "WeightsGone",
+    "WeightsManifest",
+    "WeightsRequest",
+    "WeightsUpToDate",
+    "WireError",
+    "WorkGrant",
+    "WorkItem",
+    "WorkRequest",
+    "_Body",
+    "decode",
+    "encode",
+    "encode_raw",
+    "new_incarnation",
+]
 
 
 EvalRound = Annotated[int, msgspec.Meta(ge=-1)]
@@ -49,9 +112,6 @@ rejected when decoded (``bad_header``)."""
 NOT_EVAL = -1
 
 
-Dimension = Annotated[int, msgspec.Meta(ge=0, le=MAX_ARRAY_DIM)]
-Shape = Annotated[tuple[Dimension, ...], msgspec.Meta(max_length=MAX_ARRAY_DIMS)]
-"""An array's shape: at most ``MAX_ARRAY_DIMS`` sizes, each in ``[0, MAX_ARRAY_DIM]``."""
 Incarnation = Annotated[int, msgspec.Meta(ge=0)]
 """One run of a generator process (:func:`new_incarnation`); 0: not given."""
 
@@ -62,25 +122,6 @@ def new_incarnation() -> int:
     accepts a generator id's messages only from the incarnation it registered, so another
     process naming a live generator cannot book, deliver, keep alive or hand back its work."""
     return 1 + secrets.randbelow((1 << 63) - 1)
-
-
-class WireError(ValueError):
-    """A malformed message. ``reason`` is a short label for counting."""
-
-    def __init__(self, reason: str, detail: str):
-        self.reason = reason
-        super().__init__(f"{reason}: {detail}")
-
-
-class ArraySpec(msgspec.Struct, array_like=True, frozen=True):
-    name: str
-    dtype: str
-    shape: Shape
-
-
-class _Body(msgspec.Struct, tag_field="type", forbid_unknown_fields=True):
-    ARRAYS: ClassVar[dict[str, str]] = {}
-    """Arrays this message carries, name -> dtype; empty for header-only messages."""
 
 
 # --------------------------------------------------------------------------
@@ -163,7 +204,7 @@ class Trajectories(_Body, tag="trajectories"):
     ARRAYS: ClassVar[dict[str, str]] = WIRE_DTYPES
     """The token columns, declared in :mod:`asyncrl.trajectory`."""
     samples: list[TrajectoryMeta]
-    stats: dict[str, float] = {}
+    stats: dict[str, float] = msgspec.field(default_factory=dict)
     pool: str = ""
     """The sending generator's pool, so the buffer can report ``stats`` per pool."""
     incarnation: Incarnation = 0
@@ -302,103 +343,6 @@ class ErrorReply(_Body, tag="error"):
     detail: str = ""
 
 
-# --------------------------------------------------------------------------
-# learner -> generators: weights
-
-
-class WeightsRequest(_Body, tag="weights_request"):
-    """A generator holding ``have_version`` asks whether newer weights exist.
-
-    Answered with ``WeightsUpToDate`` or the newest version's ``WeightsManifest``.
-    """
-
-    have_version: int
-
-
-class WeightsUpToDate(_Body, tag="weights_up_to_date"):
-    latest_version: int
-
-
-class TensorEntry(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
-    """One tensor of a published version: bytes ``[offset, offset + nbytes)`` of its stream.
-
-    A version's tensors are laid end to end, in index order, as one byte stream
-    (each tensor C-contiguous); the stream is cut into chunks of ``chunk_bytes``.
-    """
-
-    name: str
-    dtype: str
-    shape: Shape
-    offset: int
-    nbytes: int
-
-
-class WeightsManifest(_Body, tag="weights_manifest"):
-    """The tensor index of one published version, sent before any of its chunks.
-
-    ``WeightsManifest(4, 1.7e9, chunk_bytes=64 << 20, total_bytes=24, num_chunks=1,
-    tensors=[TensorEntry("w", "float32", (2, 3), 0, 24)])``. Decoding checks that
-    the index is consistent (sizes match shapes, tensors tile the stream without
-    gaps, the chunk count covers it), so a receiver can trust the layout it implies.
-    """
-
-    version: int
-    published_at: float
-    chunk_bytes: int
-    total_bytes: int
-    num_chunks: int
-    tensors: list[TensorEntry]
-
-    def __post_init__(self) -> None:
-        if self.chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
-        offset, names = 0, set()
-        for entry in self.tensors:
-            if entry.name in names:
-                raise ValueError(f"tensor '{entry.name}' is listed twice")
-            names.add(entry.name)
-            if entry.dtype not in _DTYPES or any(dim < 0 for dim in entry.shape):
-                raise ValueError(f"tensor '{entry.name}': unsupported {entry.dtype}{entry.shape}")
-            nbytes = math.prod(entry.shape) * _ITEMSIZE[entry.dtype]
-            if entry.nbytes != nbytes or entry.offset != offset:
-                raise ValueError(
-                    f"tensor '{entry.name}' {entry.shape} must be {nbytes} bytes at offset "
-                    f"{offset}, is {entry.nbytes} at {entry.offset}"
-                )
-            offset += nbytes
-        if self.total_bytes != offset:
-            raise ValueError(f"total_bytes is {self.total_bytes}, the tensors hold {offset}")
-        if self.num_chunks != -(-offset // self.chunk_bytes):
-            raise ValueError(f"{self.num_chunks} chunks of {self.chunk_bytes} for {offset} bytes")
-
-
-class WeightsChunkRequest(_Body, tag="weights_chunk_request"):
-    """Ask for chunk ``index`` of the published ``version``."""
-
-    version: int
-    index: int
-
-
-class WeightsChunk(_Body, tag="weights_chunk"):
-    """Bytes ``[index * chunk_bytes, ...)`` of a version's stream, at most ``chunk_bytes``.
-
-    One uint8 frame per tensor piece, named after its tensor, in stream order: the
-    tail of a tensor begun in an earlier chunk, whole tensors, the head of one that
-    continues. ``crc32`` is of the chunk's bytes, in that order.
-    """
-
-    version: int
-    index: int
-    crc32: int
-
-
-class WeightsGone(_Body, tag="weights_gone"):
-    """The requested version is no longer served; start again from ``latest_version``."""
-
-    version: int
-    latest_version: int
-
-
 Message = (
     WorkRequest
     | WorkGrant
@@ -433,43 +377,17 @@ class Envelope(msgspec.Struct, forbid_unknown_fields=True):
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Envelope)
-_DTYPES = {"int32", "int64", "float32", "float16", "bfloat16", "uint8", "bool"}
-_ITEMSIZE = {
-    "int32": 4,
-    "int64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "uint8": 1,
-    "bool": 1,
-}
 
 
 def encode(body: _Body, arrays: dict[str, np.ndarray] | None = None) -> list[bytes | memoryview]:
     """Header frame plus one frame per array (contiguous buffers, not copied)."""
-    arrays = arrays or {}
-    specs, frames = [], []
-    for name, array in arrays.items():
-        array = np.ascontiguousarray(array)
-        specs.append(ArraySpec(name, str(array.dtype), tuple(array.shape)))
-        frames.append(memoryview(array).cast("B"))
+    specs, frames = array_frames(arrays)
     return [_ENCODER.encode(Envelope(SCHEMA_VERSION, body, specs)), *frames]
 
 
 def encode_raw(body: _Body, specs: list[ArraySpec], frames: list) -> list:
     """Like :func:`encode` for buffers that are not numpy arrays (e.g. bf16 tensors)."""
     return [_ENCODER.encode(Envelope(SCHEMA_VERSION, body, specs)), *frames]
-
-
-class ArrayFrame(msgspec.Struct, frozen=True):
-    """A received array: its spec and a view of the frame's bytes (no copy)."""
-
-    spec: ArraySpec
-    buffer: memoryview
-
-    def numpy(self) -> np.ndarray:
-        """Read-only numpy view; bfloat16 has no numpy dtype (use torch.frombuffer)."""
-        return np.frombuffer(self.buffer, dtype=np.dtype(self.spec.dtype)).reshape(self.spec.shape)
 
 
 def decode(
@@ -489,61 +407,16 @@ def decode(
     if not frames:
         raise WireError("empty", "no frames")
     buffers = [memoryview(frame.buffer if hasattr(frame, "buffer") else frame) for frame in frames]
-    total = sum(b.nbytes for b in buffers)
-    if total > max_bytes:
-        raise WireError("oversized", f"{total} bytes exceeds the limit of {max_bytes}")
-    if buffers[0].nbytes > max_header_bytes:
-        raise WireError(
-            "oversized",
-            f"a header of {buffers[0].nbytes} bytes exceeds the limit of {max_header_bytes}",
-        )
+    check_sizes(buffers, max_bytes, max_header_bytes)
     try:
         envelope = _DECODER.decode(buffers[0])
     except msgspec.ValidationError as error:
-        where = str(error)
-        if "`$.body.type`" in where:
-            reason = "unknown_type"
-        elif "`$.arrays" in where:
-            reason = "bad_array"
-        else:
-            reason = "bad_header"
-        raise WireError(reason, where) from None
+        raise WireError(header_error_reason(error), str(error)) from None
     except msgspec.DecodeError as error:
         raise WireError("bad_header", str(error)) from None
     if envelope.schema_version != SCHEMA_VERSION:
         raise WireError(
             "schema_version", f"got {envelope.schema_version}, this build speaks {SCHEMA_VERSION}"
         )
-    body, specs = envelope.body, envelope.arrays
-    if len(specs) != len(buffers) - 1:
-        raise WireError(
-            "frame_count", f"header names {len(specs)} arrays, got {len(buffers) - 1} frames"
-        )
-    arrays: dict[str, ArrayFrame] = {}
-    for spec, buffer in zip(specs, buffers[1:], strict=True):
-        if spec.name in arrays:
-            raise WireError("bad_array", f"array '{spec.name}' appears twice")
-        expected = body.ARRAYS.get(spec.name)
-        if body.ARRAYS and expected is None:
-            raise WireError("bad_array", f"{body.__class__.__name__} has no array '{spec.name}'")
-        if expected is not None and spec.dtype != expected:
-            raise WireError(
-                "bad_array", f"array '{spec.name}' must be {expected}, got {spec.dtype}"
-            )
-        if spec.dtype not in _DTYPES or any(dim < 0 for dim in spec.shape):
-            raise WireError(
-                "bad_array", f"array '{spec.name}': unsupported {spec.dtype}{spec.shape}"
-            )
-        nbytes = math.prod(spec.shape) * _ITEMSIZE[spec.dtype]  # Python ints: no overflow
-        if nbytes != buffer.nbytes:
-            raise WireError(
-                "truncated",
-                f"array '{spec.name}' {spec.shape} needs {nbytes} bytes, frame has {buffer.nbytes}",
-            )
-        arrays[spec.name] = ArrayFrame(spec, buffer)
-    missing = set(body.ARRAYS) - set(arrays)
-    if missing:
-        raise WireError(
-            "bad_array", f"{body.__class__.__name__} is missing arrays {sorted(missing)}"
-        )
-    return body, arrays
+    body = envelope.body
+    return body, received_arrays(body, envelope.arrays, buffers[1:])

@@ -180,6 +180,73 @@ def test_received_arrays_are_read_only_views():
         received["prompt_ids"].numpy()[0] = 99
 
 
+# Golden bytes, captured from the encoder before asyncrl/messages.py was split into
+# messages, wire and weight_messages (issue 16): peers built either side of a change
+# must keep understanding each other, so the bytes themselves may not move.
+GOLDEN_WORK_REQUEST = bytes.fromhex(
+    "83ae736368656d615f76657273696f6e01a4626f647985a474797065ac776f726b5f72657175657374"
+    "ac67656e657261746f725f6964a567656e2d30ab6d61785f73616d706c657310a6776169745f73cb3ff8"
+    "000000000000ab696e6361726e6174696f6e07a661727261797390"
+)
+GOLDEN_WEIGHTS_MANIFEST = bytes.fromhex(
+    "83ae736368656d615f76657273696f6e01a4626f647987a474797065b0776569676874735f6d616e6966"
+    "657374a776657273696f6e04ac7075626c69736865645f6174cb4004000000000000ab6368756e6b5f62"
+    "7974657310ab746f74616c5f627974657318aa6e756d5f6368756e6b7302a774656e736f72739195a177"
+    "a7666c6f617433329202030018a661727261797390"
+)
+GOLDEN_TRAJECTORIES = [
+    bytes.fromhex(
+        "83ae736368656d615f76657273696f6e01a4626f647985a474797065ac7472616a6563746f72696573"
+        "a773616d706c6573918aa867726f75705f696401ac73616d706c655f696e64657800aa70726f6d7074"
+        "5f6c656e02ac726573706f6e73655f6c656e01a6726577617264cb3ff0000000000000ad66696e6973"
+        "685f726561736f6ea473746f70ac67656e657261746f725f6964a567656e2d30af67656e6572617465"
+        "5f74696d655f73cb0000000000000000ac7265776172645f6572726f72a0aa6576616c5f726f756e64"
+        "ffa5737461747380a4706f6f6ca0ab696e6361726e6174696f6e00a66172726179739593aa70726f6d"
+        "70745f696473a5696e743332910293ac726573706f6e73655f696473a5696e743332910193a86c6f67"
+        "70726f6273a7666c6f61743332910193a96c6f73735f6d61736ba575696e7438910193ae746f6b656e"
+        "5f76657273696f6e73a5696e7433329101"
+    ),
+    bytes.fromhex("0100000002000000"),
+    bytes.fromhex("03000000"),
+    bytes.fromhex("000000bf"),
+    bytes.fromhex("01"),
+    bytes.fromhex("02000000"),
+]
+
+
+def test_a_role_message_encodes_to_the_same_bytes_as_before_the_split():
+    frames = encode(WorkRequest("gen-0", max_samples=16, wait_s=1.5, incarnation=7))
+    assert over_the_wire(frames) == [GOLDEN_WORK_REQUEST]
+
+
+def test_a_weights_manifest_encodes_to_the_same_bytes_as_before_the_split():
+    manifest = WeightsManifest(
+        4,
+        2.5,
+        chunk_bytes=16,
+        total_bytes=24,
+        num_chunks=2,
+        tensors=[TensorEntry("w", "float32", (2, 3), 0, 24)],
+    )
+    assert over_the_wire(encode(manifest)) == [GOLDEN_WEIGHTS_MANIFEST]
+    assert decode([GOLDEN_WEIGHTS_MANIFEST])[0] == manifest
+
+
+def test_trajectories_with_arrays_encode_to_the_same_frames_as_before_the_split():
+    arrays = {
+        "prompt_ids": np.array([1, 2], np.int32),
+        "response_ids": np.array([3], np.int32),
+        "logprobs": np.array([-0.5], np.float32),
+        "loss_mask": np.array([1], np.uint8),
+        "token_versions": np.array([2], np.int32),
+    }
+    body = Trajectories([TrajectoryMeta(1, 0, 2, 1, 1.0, "stop", "gen-0")])
+    assert over_the_wire(encode(body, arrays)) == GOLDEN_TRAJECTORIES
+    decoded, frames = decode(GOLDEN_TRAJECTORIES)
+    assert decoded == body
+    assert frames["logprobs"].numpy().tolist() == [-0.5]
+
+
 # --------------------------------------------------------------------------
 # rejections
 
