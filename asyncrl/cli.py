@@ -132,7 +132,7 @@ def _preflight(config, *, data: bool = True, machine: bool = True) -> int:
 def _generator(config, buffer: str, pool: str, work_dir: Path) -> int:
     import logging
 
-    from asyncrl.generators.worker import join
+    from asyncrl.generators.main import join
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s generator %(levelname)s %(name)s: %(message)s"

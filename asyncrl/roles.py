@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> str:
 
         run(config, args.run_dir, args.resume_from)
     else:
-        from asyncrl.generators.worker import run
+        from asyncrl.generators.main import run
 
         run(config, args.run_dir, args.index, pool=args.pool, restarts=args.restarts)
     return args.role

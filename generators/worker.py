@@ -28,50 +28,37 @@ Prompts of a held-out eval round (``WorkItem.eval_round``, negative group ids)
 are generated like any other, in chunks, across weight loads, one turn or a
 multi-turn episode, scored by the same reward path, and sent back tagged with
 their round (``TrajectoryMeta.eval_round``); the buffer keeps them out of training.
+
+The process around the loop (policy, backend, joining the run, stop signals,
+heartbeats) is :mod:`asyncrl.generators.main`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import socket
-import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, wait
-from pathlib import Path
-from urllib.parse import urlsplit
 
 import numpy as np
-import torch
 import zmq
 
 from asyncrl import progress
 from asyncrl.config import Config
-from asyncrl.envs.formatting import TemplateFormatError, TemplateFormatter, build_formatter
 from asyncrl.generators.backend import Backend, Rollout
-from asyncrl.generators.engines import build_backend
 from asyncrl.generators.episodes import Episodes
-from asyncrl.generators.liveness import HeartbeatThread
 from asyncrl.messages import (
     NOT_EVAL,
     Ack,
-    Join,
-    Joined,
     Leave,
     Trajectories,
     TrajectoryMeta,
     WorkGrant,
     WorkRequest,
-    new_incarnation,
 )
-from asyncrl.models import build_policy
-from asyncrl.paths import replica_name
 from asyncrl.rewards import RewardScorer, Score
-from asyncrl.security import GENERATOR, client_context
 from asyncrl.trajectory import build_columns
-from asyncrl.transport import RequestClient, tcp
+from asyncrl.transport import RequestClient
+from asyncrl.waiting import Waited, wait_with_stop
 from asyncrl.weights import WeightClient
 
 log = logging.getLogger("asyncrl.generator")
@@ -88,6 +75,29 @@ def waiting_for_weights() -> None:
     """A weight fetch the learner has not answered for a second: the learner's stall, not
     this replica's (the watchdog then blames the learner instead of restarting us)."""
     progress.beat("waiting for weights from the learner", advanced=False, waiting_for="learner")
+
+
+class BufferReply:
+    """A ``ready`` for :func:`~asyncrl.waiting.wait_with_stop` that receives the buffer's
+    answer in slices. A receive that times out has blocked for its whole slice, so the
+    slices asked for are the time waited: :meth:`waited` is the wait's clock."""
+
+    def __init__(self, buffer: RequestClient) -> None:
+        self.buffer = buffer
+        self.value: tuple | None = None
+        """``(reply, arrays)``, once :meth:`receive` said True."""
+        self.waited_s = 0.0
+
+    def receive(self, within_s: float) -> bool:
+        try:
+            self.value = self.buffer.receive(timeout_s=within_s)
+        except TimeoutError:
+            self.waited_s += within_s
+            return False
+        return True
+
+    def waited(self) -> float:
+        return self.waited_s
 
 
 class GeneratorReplica:
@@ -274,38 +284,41 @@ class GeneratorReplica:
             return grant
         wait_s = self.config.buffer.heartbeat_interval_s
         self.buffer.send(WorkRequest(self.generator_id, room, wait_s, self.incarnation))
-        give_up = time.monotonic() + wait_s + self.buffer.timeout_s
-        while True:
-            try:
-                grant, _ = self.buffer.receive(timeout_s=STOP_POLL_S)
-            except TimeoutError:
-                if self.stopping:
-                    return None
-                if time.monotonic() > give_up:
-                    raise TimeoutError(
-                        f"no answer from {self.buffer.endpoint} within "
-                        f"{wait_s + self.buffer.timeout_s:.0f}s of a held work request"
-                    ) from None
-                continue
-            assert isinstance(grant, WorkGrant), grant
-            return grant
+        reply = BufferReply(self.buffer)
+        waited = wait_with_stop(
+            reply.receive, wait_s + self.buffer.timeout_s, self.is_stopping, STOP_POLL_S,
+            clock=reply.waited,
+        )  # fmt: skip
+        if waited is Waited.STOPPED:
+            return None
+        if waited is Waited.TIMED_OUT:
+            raise TimeoutError(
+                f"no answer from {self.buffer.endpoint} within "
+                f"{wait_s + self.buffer.timeout_s:.0f}s of a held work request"
+            )
+        grant, _ = reply.value
+        assert isinstance(grant, WorkGrant), grant
+        return grant
+
+    def is_stopping(self) -> bool:
+        return self.stopping
 
     def reply(self) -> tuple:
         """The buffer's answer to the request just sent. Once stopping, the replica waits for
         it at most ``LEAVE_TIMEOUT_S`` more: a dead buffer (its launcher killed) must not
         hold the replica and its reward workers for the client's whole ``timeout_s``."""
-        waited_s = 0.0
-        while True:
-            try:
-                return self.buffer.receive(timeout_s=STOP_POLL_S)
-            except TimeoutError:
-                waited_s += STOP_POLL_S
-                patience_s = LEAVE_TIMEOUT_S if self.stopping else self.buffer.timeout_s
-                if waited_s >= patience_s:
-                    stopping = " while stopping" if self.stopping else ""
-                    raise TimeoutError(
-                        f"no reply from {self.buffer.endpoint} within {waited_s:.0f}s{stopping}"
-                    ) from None
+        reply = BufferReply(self.buffer)
+        patience_s = LEAVE_TIMEOUT_S if self.stopping else self.buffer.timeout_s
+        waited = wait_with_stop(
+            reply.receive, patience_s, self.is_stopping, STOP_POLL_S, LEAVE_TIMEOUT_S,
+            clock=reply.waited,
+        )  # fmt: skip
+        if waited is not Waited.READY:
+            stopping = " while stopping" if waited is Waited.STOPPED else ""
+            raise TimeoutError(
+                f"no reply from {self.buffer.endpoint} within {reply.waited_s:.0f}s{stopping}"
+            )
+        return reply.value
 
     def sync_weights(self) -> None:
         update = self.weights.fetch_newer(self.backend.version)
@@ -379,147 +392,3 @@ class GeneratorReplica:
                 )
             )
         return metas, build_columns(rollouts).to_wire()
-
-
-def template_end_of_turn(tokenizer) -> list[str]:
-    """The chat template's end-of-turn marker as a stop string, when it is not EOS.
-
-    A response to a chat prompt ends where the template closes the assistant's
-    turn. That is EOS for ChatML models (SmolLM2, Qwen: ``<|im_end|>``) but not for
-    all (Llama-3's ``<|eot_id|>`` beside EOS ``<|end_of_text|>``): without the
-    marker such a model would write the next turn itself. Nothing for a tokenizer
-    without a chat template, or one whose turns cannot be told apart.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        return []
-    try:
-        marker = TemplateFormatter(tokenizer).end_of_turn
-    except TemplateFormatError as error:
-        log.warning("no end-of-turn stop string from the chat template: %s", error)
-        return []
-    return [] if not marker or marker == tokenizer.eos_token else [marker]
-
-
-def generator_id(pool: str, index: int, restarts: int = 0) -> str:
-    """``gen-0`` (default pool), ``fast-1`` (pool ``fast``); ``-r2`` after two restarts,
-    so the buffer never takes a restarted replica for the one that died."""
-    name = f"gen-{index}" if pool == "default" else f"{pool}-{index}"
-    return f"{name}-r{restarts}" if restarts else name
-
-
-def pool_config(config: Config, pool: str) -> Config:
-    """``config`` with ``generators`` replaced by pool ``pool``'s effective settings."""
-    for candidate in config.generators.resolved_pools():
-        if candidate.name == pool:
-            return config.model_copy(update={"generators": candidate.settings})
-    names = [candidate.name for candidate in config.generators.resolved_pools()]
-    raise ValueError(f"no generator pool named {pool!r}; the config has {names}")
-
-
-def run(
-    config: Config,
-    run_dir: Path,
-    replica_index: int,
-    *,
-    pool: str = "default",
-    restarts: int = 0,
-) -> None:
-    """A replica the launcher started: endpoints from the run's config."""
-    cluster = config.cluster
-    work_dir = run_dir / replica_name(pool, replica_index)
-    serve(
-        config,
-        generator_id(pool, replica_index, restarts),
-        pool,
-        tcp(cluster.host, cluster.buffer_port),
-        lambda _joined: tcp(cluster.host, cluster.weights_port),
-        work_dir,
-        seed=config.run.seed * 1000 + replica_index + 1 + 7919 * restarts,
-        restarts=restarts,
-    )
-
-
-def join(config: Config, buffer_endpoint: str, pool: str, work_dir: Path) -> None:
-    """A replica started by hand (``asyncrl generator``) that joins a live run: the buffer
-    tells it where the weights are published (at the buffer's host)."""
-    host = urlsplit(buffer_endpoint).hostname
-    if not buffer_endpoint.startswith("tcp://") or host is None:
-        raise ValueError(f"--buffer must look like tcp://HOST:PORT, got {buffer_endpoint!r}")
-    name = f"{pool}-{socket.gethostname()}-{os.getpid()}"
-    serve(
-        config,
-        name,
-        pool,
-        buffer_endpoint,
-        lambda joined: tcp(host, joined.weights_port),
-        work_dir / name,
-        seed=config.run.seed * 1000 + os.getpid(),
-    )
-
-
-def serve(
-    config: Config,
-    name: str,
-    pool: str,
-    buffer_endpoint: str,
-    weights_endpoint: Callable[[Joined], str],
-    work_dir: Path,
-    *,
-    seed: int,
-    restarts: int = 0,
-) -> None:
-    """Build the backend, join the run at ``buffer_endpoint``, generate until stopped,
-    then leave (so the buffer hands this replica's unfinished groups out at once)."""
-    config = pool_config(config, pool)
-    torch.set_num_threads(config.generators.num_threads)
-    model, tokenizer = build_policy(config.model, config.run.seed)
-    if config.environment is not None:  # a model turn ends at the turn marker
-        end_of_turn = [build_formatter(config.environment.formatter, tokenizer).end_of_turn]
-    else:
-        end_of_turn = template_end_of_turn(tokenizer)
-    stop = [*config.generators.stop, *(s for s in end_of_turn if s not in config.generators.stop)]
-    generators = config.generators.model_copy(update={"stop": stop})
-    config = config.model_copy(update={"generators": generators})
-    torch.manual_seed(seed)
-    context = client_context(config.cluster, GENERATOR)
-    incarnation = new_incarnation()  # this process: the buffer hears no other under its name
-    replica = None
-    stopping = threading.Event()
-
-    def stop(*_):
-        stopping.set()
-        if replica is not None:
-            replica.stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    # the vLLM backend writes the model to this replica's directory and loads it from there
-    backend = build_backend(config, model, tokenizer, work_dir, seed)
-    try:
-        buffer = RequestClient(context, buffer_endpoint)
-        joined, _ = buffer.request(Join(name, pool, incarnation))
-        if not isinstance(joined, Joined):
-            raise RuntimeError(f"the buffer at {buffer_endpoint} answered Join with {joined!r}")
-        log.info("%s joined run %r at version %d", name, joined.run_name, joined.policy_version)
-        heartbeats = HeartbeatThread(
-            context,
-            buffer_endpoint,
-            name,
-            config.buffer.heartbeat_interval_s,
-            reply_timeout_s=config.buffer.heartbeat_timeout_s,
-            incarnation=incarnation,
-        ).start()
-        replica = GeneratorReplica(
-            config, name, backend, context, pool, buffer, weights_endpoint(joined), incarnation
-        )
-        # 1 on a restarted replica (a new id each time): summed over ids, the restart count
-        replica.stats["restarts"] = int(restarts > 0)
-        replica.stopping = stopping.is_set()
-        try:
-            replica.run_loop()
-        finally:
-            heartbeats.stop()
-            replica.close()
-    finally:
-        backend.close()
-        context.destroy(linger=0)

@@ -1,15 +1,14 @@
 """Rank 0's line to the buffer: batches, eval rounds and the buffer's part of a checkpoint.
 
-Every wait is stoppable: SIGTERM (:class:`~.stop.StopRequest`) abandons a batch
-still awaited within ``STOP_POLL_S``, and cuts any other wait for the buffer to
-at most ``FINAL_SAVE_TIMEOUT_S``, so a dead buffer never holds a stopping learner.
+Every wait is stoppable (:func:`~asyncrl.waiting.wait_with_stop`): SIGTERM
+(:class:`~asyncrl.stop_signals.StopSignals`) abandons a batch still awaited within
+``STOP_POLL_S``, and cuts any other wait for the buffer to at most
+``FINAL_SAVE_TIMEOUT_S``, so a dead buffer never holds a stopping learner.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from functools import partial
 
 import torch
 import zmq
@@ -26,6 +25,7 @@ from asyncrl.messages import (
     WireError,
 )
 from asyncrl.transport import RequestClient
+from asyncrl.waiting import Waited, wait_with_stop
 
 STOP_POLL_S = 0.2
 """While rank 0 waits for a batch, how often it checks whether it was asked to stop."""
@@ -74,20 +74,16 @@ class BufferClient:
         """
         if stop():
             return None
-        receive = partial(self.client.request, BatchRequest(policy_version))
-        waited_s = 0.0
-        while True:
-            try:
-                reply, arrays = receive(timeout_s=STOP_POLL_S)
-                break
-            except TimeoutError:
-                receive = self.client.receive  # the request is out: wait for its answer
-                waited_s += STOP_POLL_S
-                if stop():
-                    self.abandoned = True
-                    return None
-                if waited_s >= self.client.timeout_s:
-                    raise
+        self.client.send(BatchRequest(policy_version))
+        waited = self._wait(self.client.timeout_s, stop)
+        if waited is Waited.STOPPED:
+            self.abandoned = True
+            return None
+        if waited is Waited.TIMED_OUT:
+            raise TimeoutError(
+                f"no batch from {self.client.endpoint} within {self.client.timeout_s:g}s"
+            )
+        reply, arrays = self.client.receive(timeout_s=0)
         if not isinstance(reply, Trajectories):
             raise RuntimeError(f"buffer answered a batch request with {reply!r}")
         return collate(reply.samples, arrays, self.pad_id, self.device), reply.stats
@@ -106,17 +102,13 @@ class BufferClient:
         """Eval results no batch carried; the buffer holds the request up to ``wait_s``
         while a round runs. None once ``stop()`` is true first (the learner is exiting)."""
         self.client.send(EvalResultsRequest(wait_s=wait_s))
-        waited_s = 0.0
-        while True:
-            try:
-                reply, _ = self.client.receive(timeout_s=STOP_POLL_S)
-                break
-            except TimeoutError:
-                waited_s += STOP_POLL_S
-                if stop():
-                    return None
-                if waited_s >= wait_s + START_EVAL_TIMEOUT_S:
-                    raise
+        limit_s = wait_s + START_EVAL_TIMEOUT_S
+        waited = self._wait(limit_s, stop)
+        if waited is Waited.STOPPED:
+            return None
+        if waited is Waited.TIMED_OUT:
+            raise TimeoutError(f"no eval results from {self.client.endpoint} within {limit_s:g}s")
+        reply, _ = self.client.receive(timeout_s=0)
         if not isinstance(reply, EvalResults):
             raise RuntimeError(f"buffer answered a request for eval results with {reply!r}")
         return reply
@@ -142,19 +134,18 @@ class BufferClient:
     def reply_within(self, timeout_s: float):
         """The answer to the request out, within ``timeout_s``, or within
         ``FINAL_SAVE_TIMEOUT_S`` of a stop, whichever ends first; TimeoutError if none."""
-        deadline = time.monotonic() + timeout_s
-        stopping = False
-        while True:
-            if not stopping and self.stop():
-                stopping = True
-                deadline = min(deadline, time.monotonic() + FINAL_SAVE_TIMEOUT_S)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                cut = f", cut to {FINAL_SAVE_TIMEOUT_S:g}s by a stop" if stopping else ""
-                raise TimeoutError(
-                    f"no reply from {self.client.endpoint} within {timeout_s:g}s{cut}"
-                )
-            try:
-                return self.client.receive(timeout_s=min(STOP_POLL_S, remaining))
-            except TimeoutError:
-                continue
+        waited = self._wait(timeout_s, self.stop, grace_s=FINAL_SAVE_TIMEOUT_S)
+        if waited is not Waited.READY:
+            cut = (
+                f", cut to {FINAL_SAVE_TIMEOUT_S:g}s by a stop" if waited is Waited.STOPPED else ""
+            )
+            raise TimeoutError(f"no reply from {self.client.endpoint} within {timeout_s:g}s{cut}")
+        return self.client.receive(timeout_s=0)
+
+    def _wait(self, timeout_s: float, stop: Callable[[], bool], grace_s: float = 0.0) -> Waited:
+        """Wait for the answer to the request out (read it with ``client.receive`` once
+        READY), checking ``stop`` every ``STOP_POLL_S``."""
+        return wait_with_stop(self._answered, timeout_s, stop, STOP_POLL_S, grace_s)
+
+    def _answered(self, within_s: float) -> bool:
+        return bool(self.client.socket.poll(int(within_s * 1000)))

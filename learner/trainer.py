@@ -70,8 +70,8 @@ from asyncrl.learner.evaluator import Evaluator, NoEval
 from asyncrl.learner.policy import Learner
 from asyncrl.learner.publisher import Drain, Publisher
 from asyncrl.learner.step_log import NoStepLog, StepLog
-from asyncrl.learner.stop import StopRequest
 from asyncrl.security import LEARNER, client_context
+from asyncrl.stop_signals import ROLE_SIGNALS, StopSignals
 from asyncrl.tracking import RecordWriteError
 from asyncrl.transport import tcp
 from asyncrl.weights import WeightPublisher
@@ -101,7 +101,7 @@ class Parts:
 
 
 def _train(config: Config, run_dir: Path, resume_from: Path | None) -> None:
-    stop = StopRequest()  # first: a signal during start-up stops before step 1
+    stop = StopSignals(ROLE_SIGNALS).install()  # first: a signal in start-up stops before step 1
     ranks = distributed.init(config.learner.device)
     torch.set_num_threads(config.learner.num_threads)
     torch.manual_seed(config.run.seed)
@@ -154,7 +154,7 @@ def _train_loop(learner: Learner, parts: Parts, total_steps: int) -> None:
 
 
 def _parts(
-    config: Config, run_dir: Path, learner: Learner, stop: StopRequest, cleanup: ExitStack
+    config: Config, run_dir: Path, learner: Learner, stop: StopSignals, cleanup: ExitStack
 ) -> Parts:
     """Rank 0's parts hold its sockets and files (closed by ``cleanup``); the other ranks'
     only take part in the collectives, rank 0 deciding for them."""

@@ -437,7 +437,7 @@ def test_an_episode_through_run_episode_is_the_template_rendering_token_for_toke
 
 
 def test_single_turn_generation_stops_at_the_template_s_turn_marker_when_it_is_not_eos():
-    from asyncrl.generators.worker import template_end_of_turn
+    from asyncrl.generators.main import template_end_of_turn
 
     assert template_end_of_turn(LLAMA) == ["<|eot_id|>"]  # EOS is </s>: the marker is needed
     assert template_end_of_turn(ZEPHYR) == []  # its turns end with EOS itself

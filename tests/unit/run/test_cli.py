@@ -139,7 +139,7 @@ def test_launch_refuses_a_reward_function_that_raises_on_the_built_in_task(
 
 def test_a_joining_generator_checks_its_reward_function_first(tmp_path, monkeypatch, capsys):
     joined = []
-    monkeypatch.setattr("asyncrl.generators.worker.join", lambda *args: joined.append(args))
+    monkeypatch.setattr("asyncrl.generators.main.join", lambda *args: joined.append(args))
     argv = ["generator", "--config", str(tiny_config(tmp_path)), "--buffer", "tcp://127.0.0.1:1"]
     assert main([*argv, raising_reward(tmp_path)]) == 2
     assert "KeyError: 'answer'" in capsys.readouterr().err
