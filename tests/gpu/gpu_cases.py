@@ -1,0 +1,119 @@
+"""Shared pieces of the GPU tests, each taking the device as an argument so the same code
+can be checked on the CPU where no GPU is lent (the tests themselves run it on CUDA)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from asyncrl.config import Config, load_config
+from asyncrl.learner import distributed
+from asyncrl.learner.batch import TrainBatch, collate
+from asyncrl.learner.distributed import Ranks
+from asyncrl.messages import Trajectories, TrajectoryMeta, decode, encode
+from asyncrl.paths import LEARNER_STORE_ENV
+from asyncrl.tasks import build_tokenizer
+
+GROUP = 4
+PROMPT_LEN = 3
+GROUP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+SOCKET_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+TINY = [
+    "model.tiny.num_layers=2",
+    "model.tiny.hidden_size=32",
+    "model.tiny.intermediate_size=64",
+    "algorithm.group_size=4",
+    "algorithm.prompts_per_step=4",
+    "learner.lr=0.01",
+    "run.total_steps=10",
+]
+
+
+def tiny_config(device: str, mixed_precision: str) -> Config:
+    """The tiny model of the unit tests' learners, on ``device`` in ``mixed_precision``."""
+    return load_config(
+        None, [*TINY, f"learner.device={device}", f"learner.mixed_precision={mixed_precision}"]
+    )
+
+
+@contextmanager
+def single_rank(device: str) -> Iterator[Ranks]:
+    """A process group of one in this process (gloo on CPU, NCCL on CUDA); the
+    environment goes back afterwards, so the next test can make its own."""
+    saved = dict(os.environ)
+    for name in (*GROUP_ENV, *SOCKET_ENV):
+        os.environ.pop(name, None)
+    try:
+        yield distributed.init(device)
+    finally:
+        distributed.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def wire_batch(step: int, size: int = 16, max_response: int = 9):
+    """A buffer batch as the learner receives it (encoded, then decoded): prompts of
+    ``PROMPT_LEN`` tokens, ragged responses made at version ``step``, groups of four."""
+    vocab = len(build_tokenizer())
+    rng = np.random.default_rng(1000 + step)
+    lengths = rng.integers(2, max_response + 1, size)
+    metas = [
+        TrajectoryMeta(
+            group_id=row // GROUP,
+            sample_index=row % GROUP,
+            prompt_len=PROMPT_LEN,
+            response_len=int(length),
+            reward=float(rng.random()),
+            finish_reason="stop",
+            generator_id="gen-0",
+        )
+        for row, length in enumerate(lengths)
+    ]
+    tokens = int(lengths.sum())
+    arrays = {
+        "prompt_ids": rng.integers(3, vocab, size * PROMPT_LEN).astype(np.int32),
+        "response_ids": rng.integers(3, vocab, tokens).astype(np.int32),
+        "logprobs": (-rng.random(tokens) * 3).astype(np.float32),
+        "token_versions": np.full(tokens, step, dtype=np.int32),
+        "loss_mask": np.ones(tokens, dtype=np.uint8),
+    }
+    body, frames = decode(encode(Trajectories(metas), arrays))
+    return body.samples, frames
+
+
+def device_batch(step: int, device: torch.device | str) -> TrainBatch:
+    """:func:`wire_batch` collated straight onto ``device``, as rank 0 of the learner does."""
+    tokenizer = build_tokenizer()
+    return collate(*wire_batch(step), pad_id=tokenizer.pad_token_id, device=device)
+
+
+def same_batch(a: TrainBatch, b: TrainBatch) -> list[str]:
+    """The names of the fields that differ (values, dtype or shape), compared on the CPU."""
+    return [
+        name
+        for name in distributed.BATCH_FIELDS
+        if getattr(a, name).dtype != getattr(b, name).dtype
+        or not torch.equal(getattr(a, name).cpu(), getattr(b, name).cpu())
+    ]
+
+
+def broadcast_worker(rank: int, world_size: int, store: str, device: str) -> None:
+    """One rank of the broadcast test (``torch.multiprocessing.spawn`` calls it): rank 0
+    sends its batch, every rank checks that it holds that batch on its own device."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ[LEARNER_STORE_ENV] = store
+    ranks = distributed.init(device)
+    try:
+        sent = device_batch(7, "cpu")  # what rank 0 has; the others know it to compare
+        received = distributed.broadcast_batch(sent if ranks.is_main else None, ranks)
+        on = {getattr(received, name).device for name in distributed.BATCH_FIELDS}
+        assert on == {ranks.device}, f"rank {rank}: fields on {on}, not {ranks.device}"
+        differ = same_batch(received, sent)
+        assert not differ, f"rank {rank}: {differ} differ from rank 0's batch"
+        distributed.barrier(ranks)
+    finally:
+        distributed.shutdown()
