@@ -273,7 +273,7 @@ def role_violations(graph: Mapping[str, set[str]], roles: Iterable[str]) -> list
 
 
 def main() -> int:
-    sys.path.insert(0, str(ROOT / "tests" / "unit"))
+    sys.path.insert(0, str(ROOT / "tests" / "unit" / "core"))
     from test_import_graph import LAYERS, ROLES  # the declared layers live with the test
 
     graph = import_graph()

@@ -425,7 +425,7 @@ def test_a_run_saved_with_every_estimators_knobs_still_resumes_with_a_warning(
     saved["algorithm"] |= {"lam": 0.95, "gamma": 1.0, "value_coef": 0.5}
     (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
 
-    with pytest.raises(ConfigError, match="algorithm.lam: only used by advantage: gae"):
+    with pytest.raises(ConfigError, match=r"algorithm\.lam: only used by advantage: gae"):
         load_config(run_dir / "config.yaml")  # a config a person wrote: refused
     dropped: list[str] = []
     config = load_config(run_dir / "config.yaml", dropped=dropped)

@@ -49,6 +49,8 @@ LAYERS = [
             "asyncrl.config.",  # the schema as a package, once it is split
             "asyncrl.envs.config",  # the `environment` section of the schema
             "asyncrl.messages",
+            "asyncrl.wire",
+            "asyncrl.weight_messages",
             "asyncrl.transport",
             "asyncrl.security",
             "asyncrl.paths",
@@ -196,3 +198,16 @@ def test_importing_the_config_schema_loads_no_sandbox_rewards_or_environments():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_the_script_run_by_hand_finds_the_same_clean_graph():
+    """``python scripts/import_graph.py``: what a contributor runs to see the problems
+    (it reads the layers from this file, wherever the tests live)."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "import_graph.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip().endswith(" 0 problems")
