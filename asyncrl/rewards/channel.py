@@ -1,9 +1,10 @@
 """The wire between the scorer and a reward worker: length-prefixed frames.
 
-The scorer sends pickled job batches (it trusts itself); a worker replies in JSON,
-which the scorer checks field by field (:func:`decode_reply`): a reward function
-that writes to the channel can cost its own sample and worker, never run code in
-the generator."""
+The scorer sends job batches as msgpack (plain data: strings, numbers, lists, dicts;
+numpy values as their Python equivalents); a worker replies in JSON, which the
+scorer checks field by field (:func:`decode_reply`). Neither side unpickles: a
+reward function that writes to the channel can cost its own sample and worker,
+never run code in the generator or in another worker."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ import math
 import socket
 import struct
 from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import numpy as np
 
 from asyncrl.rewards.outcome import WORKER_ERRORS, clip, short_repr
 
@@ -24,6 +29,26 @@ READ_BYTES = 1 << 20
 
 def framed(payload: bytes) -> bytes:
     return FRAME.pack(len(payload)) + payload
+
+
+def _plain(value: Any) -> Any:
+    """numpy values (parquet rows, environments' extra_info) as plain Python data."""
+    if isinstance(value, np.ndarray | np.generic):
+        return value.tolist()
+    raise TypeError(f"cannot send a {type(value).__name__} to a reward worker")
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_plain)
+
+
+def encode_jobs(jobs: list | None) -> bytes:
+    """A batch of ``(id, args)`` jobs, or None (leave), as one frame's payload."""
+    return framed(_ENCODER.encode(jobs))
+
+
+def decode_jobs(payload: bytes) -> list | None:
+    """What :func:`encode_jobs` made (tuples arrive as lists)."""
+    return msgspec.msgpack.decode(payload)
 
 
 def read_exactly(channel: socket.socket, size: int) -> bytes | None:

@@ -39,7 +39,6 @@ import logging
 import math
 import multiprocessing.connection
 import os
-import pickle
 import socket
 import subprocess
 import threading
@@ -51,7 +50,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
-from asyncrl.rewards.channel import READ_BYTES, decode_reply, framed, take_frames
+from asyncrl.rewards.channel import READ_BYTES, decode_reply, encode_jobs, take_frames
 from asyncrl.rewards.loading import load_reward_function
 from asyncrl.rewards.outcome import (
     ERROR_CHANNEL,
@@ -264,15 +263,15 @@ class RewardScorer:
                     return
                 batch = [self._queue.popleft() for _ in range(min(_BATCH, len(self._queue)))]
             try:
-                payload = pickle.dumps([(job.id, job.args) for job in batch])
-            except Exception as error:  # e.g. extra_info that cannot be pickled
+                frame = encode_jobs([(job.id, job.args) for job in batch])
+            except Exception as error:  # e.g. extra_info that is not plain data
                 for job in batch:
                     self._finish(job, Score(0.0, ERROR_EXCEPTION, f"cannot send: {error}"))
                 continue
             worker.jobs.extend(batch)
             worker.deadline = time.monotonic() + self.timeout_s
             try:
-                worker.channel.sendall(framed(payload))
+                worker.channel.sendall(frame)
             except OSError:
                 worker.jobs.clear()
                 worker.deadline = math.inf
@@ -391,7 +390,7 @@ class RewardScorer:
         process = worker.process
         if process.poll() is None and not worker.jobs and worker.ready:
             with contextlib.suppress(OSError):
-                worker.channel.sendall(framed(pickle.dumps(None)))  # idle: ask it to leave
+                worker.channel.sendall(encode_jobs(None))  # idle: ask it to leave
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=1)
         if process.poll() is None:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import fcntl
 import os
-import pickle
 import resource
 import signal
 import socket
 import threading
 import time
 
-from asyncrl.rewards.channel import FRAME, read_exactly, send_reply
+from asyncrl.rewards.channel import FRAME, decode_jobs, read_exactly, send_reply
 from asyncrl.rewards.loading import REWARD_FUNCTIONS, RewardFunction, load_reward_function
 from asyncrl.rewards.outcome import (
     DETAIL_CHARS,
@@ -61,7 +60,7 @@ def read_job_batch(channel: socket.socket) -> list | None:
     """The next batch from the scorer; None when it says stop or the channel closes."""
     header = read_exactly(channel, FRAME.size)
     payload = None if header is None else read_exactly(channel, FRAME.unpack(header)[0])
-    return None if payload is None else pickle.loads(payload)
+    return None if payload is None else decode_jobs(payload)
 
 
 def _private_channel(fd: int) -> socket.socket:

@@ -8,6 +8,7 @@ import logging
 import struct
 import textwrap
 
+import numpy as np
 import pytest
 
 from asyncrl.config import load_config
@@ -51,7 +52,8 @@ def rogue(data_source, solution_str, ground_truth, extra_info=None):
     if solution_str == "print hello":
         print("hello")
     if solution_str.startswith("return "):
-        return eval(solution_str.removeprefix("return "), {"np": np, "Fraction": Fraction})
+        names = {"np": np, "Fraction": Fraction, "extra_info": extra_info}
+        return eval(solution_str.removeprefix("return "), names)
     return 1.0
 """
 
@@ -260,3 +262,39 @@ def test_well_formed_replies_are_read(payload, message):
 def test_anything_else_is_refused(payload):
     with pytest.raises(ValueError):
         decode_reply(payload)
+
+
+class _RunsCodeWhenUnpickled:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))  # unpickling it creates the marker file
+
+
+def test_a_worker_never_unpickles_what_reaches_its_channel(tmp_path):
+    """Job batches are msgpack: a pickle on the channel is refused as data, never run."""
+    import pickle
+    import socket
+
+    import msgspec
+
+    from asyncrl.rewards.channel import framed
+    from asyncrl.rewards.worker import read_job_batch
+
+    marker = tmp_path / "ran"
+    scorer_end, worker_end = socket.socketpair()
+    with scorer_end, worker_end:
+        scorer_end.sendall(framed(pickle.dumps([(0, _RunsCodeWhenUnpickled(str(marker)))])))
+        with pytest.raises(msgspec.DecodeError):
+            read_job_batch(worker_end)
+    assert not marker.exists()
+
+
+def test_numpy_values_in_a_job_reach_the_function_as_plain_data(rogue):
+    """Parquet rows and environments may hold numpy values; they cross as lists/numbers."""
+    extra_info = {"ids": np.arange(3), "weight": np.float32(0.5), "nested": [np.int64(7)]}
+    seen = "return float(extra_info == {'ids': [0, 1, 2], 'weight': 0.5, 'nested': [7]})"
+    with RewardScorer(rogue, timeout_s=30) as scorer:
+        (score,) = _score_all(scorer, [("x", seen, "", extra_info)])
+    assert (score.reward, score.error) == (1.0, None)
