@@ -9,6 +9,7 @@ run) and writes rank 0's full parameters to ``OUT_DIR/params.pt``.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -16,36 +17,14 @@ import zmq
 
 from asyncrl.config import load_config
 from asyncrl.learner import checkpoint, distributed
-from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.policy import Learner
 from asyncrl.learner.publisher import Drain, Publisher
 from asyncrl.tasks import build_tokenizer
 from asyncrl.transport import free_port, tcp
 from asyncrl.weights import WeightClient, WeightPublisher
 
-GROUP = 4
-
-
-def synthetic_batch(step: int, vocab: int, size: int = 16, width: int = 12) -> TrainBatch:
-    """Ragged sequences with a prompt of 3 tokens, random rewards, groups of four."""
-    generator = torch.Generator().manual_seed(1000 + step)
-    lengths = torch.randint(5, width + 1, (size,), generator=generator)
-    input_ids = torch.randint(3, vocab, (size, width), generator=generator)
-    attention_mask = (torch.arange(width)[None] < lengths[:, None]).long()
-    loss_mask = torch.zeros(size, width - 1)
-    for row, length in enumerate(lengths.tolist()):
-        loss_mask[row, 2 : length - 1] = 1
-    return TrainBatch(
-        input_ids=input_ids * attention_mask,
-        attention_mask=attention_mask,
-        behavior_logprobs=-torch.rand(size, width - 1, generator=generator) * 3,
-        loss_mask=loss_mask,
-        token_versions=torch.where(loss_mask.bool(), step, -1),
-        rewards=torch.rand(size, generator=generator),
-        group_ids=torch.arange(size) // GROUP,
-        versions=torch.full((size,), step),
-        response_lengths=lengths - 3,
-    )
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+from learner_batches import synthetic_batch
 
 
 def published_and_fetched(learner: Learner, is_main: bool) -> dict | None:

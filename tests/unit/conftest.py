@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+sys.path[:0] = [str(Path(__file__).parents[1])]  # tests/: helpers shared with the other suites
 sys.path[:0] = sorted(
     str(d)
     for d in Path(__file__).parent.iterdir()

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from learner_batches import synthetic_batch
 
 from asyncrl.config import load_config
 from asyncrl.learner import checkpoint, distributed
@@ -25,7 +26,6 @@ from asyncrl.learner.policy import Learner
 from asyncrl.paths import COMPLETE, checkpoint_dir, latest_checkpoint
 from asyncrl.tasks import build_tokenizer
 
-GROUP = 4
 GROUP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 SOCKET_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
@@ -63,27 +63,8 @@ def learner(ranks: Ranks) -> Learner:
     return Learner(config, ranks)
 
 
-def synthetic_batch(step: int, size: int = 16, width: int = 12) -> TrainBatch:
-    """Ragged sequences with a prompt of 3 tokens, random rewards, groups of four."""
-    vocab = len(build_tokenizer())
-    generator = torch.Generator().manual_seed(1000 + step)
-    lengths = torch.randint(5, width + 1, (size,), generator=generator)
-    input_ids = torch.randint(3, vocab, (size, width), generator=generator)
-    attention_mask = (torch.arange(width)[None] < lengths[:, None]).long()
-    loss_mask = torch.zeros(size, width - 1)
-    for row, length in enumerate(lengths.tolist()):
-        loss_mask[row, 2 : length - 1] = 1
-    return TrainBatch(
-        input_ids=input_ids * attention_mask,
-        attention_mask=attention_mask,
-        behavior_logprobs=-torch.rand(size, width - 1, generator=generator) * 3,
-        loss_mask=loss_mask,
-        token_versions=torch.where(loss_mask.bool(), step, -1),
-        rewards=torch.rand(size, generator=generator),
-        group_ids=torch.arange(size) // GROUP,
-        versions=torch.full((size,), step),
-        response_lengths=lengths - 3,
-    )
+def batch_at(step: int) -> TrainBatch:
+    return synthetic_batch(step, len(build_tokenizer()))
 
 
 def weights(learner: Learner) -> dict[str, torch.Tensor]:
@@ -99,9 +80,9 @@ def test_a_batch_with_a_non_finite_reward_changes_no_weight_and_is_counted(
     learner: Learner, bad_reward: float, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="asyncrl.learner")
-    learner.train_step(synthetic_batch(0))  # the optimizer has state to poison
+    learner.train_step(batch_at(0))  # the optimizer has state to poison
     before = weights(learner)
-    batch = synthetic_batch(1)
+    batch = batch_at(1)
     batch.rewards[5] = bad_reward  # one forged sample: its group's advantages are not finite
 
     metrics = learner.train_step(batch)
@@ -116,7 +97,7 @@ def test_a_batch_with_a_non_finite_reward_changes_no_weight_and_is_counted(
     assert warning.startswith("step 1 (mini-batch 1 of 1): ")
     assert "update skipped" in warning
 
-    metrics = learner.train_step(synthetic_batch(2))  # the next good batch trains as usual
+    metrics = learner.train_step(batch_at(2))  # the next good batch trains as usual
     assert metrics["learner_skipped_nonfinite_total"] == 1
     trained = weights(learner)
     assert all_finite(trained)
@@ -136,14 +117,14 @@ def test_a_checkpoint_of_a_non_finite_learner_is_never_marked_complete(
     tmp_path, learner: Learner, where: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.ERROR, logger="asyncrl.learner")
-    learner.train_step(synthetic_batch(0))
+    learner.train_step(batch_at(0))
     buffer_saves: list[int] = []
     buffer = SimpleNamespace(save_state=lambda step, timeout_s=None: buffer_saves.append(step))
     checkpointer = Checkpointer(learner, tmp_path, Completer(buffer, tmp_path, keep=None))
     checkpointer.save()  # a good one first: step 1
     assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 1)
 
-    learner.train_step(synthetic_batch(1))
+    learner.train_step(batch_at(1))
     poison(learner, where)
     checkpointer.save()
 
@@ -155,5 +136,5 @@ def test_a_checkpoint_of_a_non_finite_learner_is_never_marked_complete(
     assert "checkpoint step-000002 refused" in caplog.text
     with pytest.raises(RuntimeError, match="not marking it complete"):
         checkpoint.mark_complete(refused)
-    metrics = learner.train_step(synthetic_batch(2))
+    metrics = learner.train_step(batch_at(2))
     assert metrics["learner_checkpoints_refused_total"] == 1
