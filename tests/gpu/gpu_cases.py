@@ -4,8 +4,6 @@ can be checked on the CPU where no GPU is lent (the tests themselves run it on C
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -13,15 +11,12 @@ import torch
 from asyncrl.config import Config, load_config
 from asyncrl.learner import distributed
 from asyncrl.learner.batch import TrainBatch, collate
-from asyncrl.learner.distributed import Ranks
 from asyncrl.messages import Trajectories, TrajectoryMeta, decode, encode
 from asyncrl.paths import LEARNER_STORE_ENV
 from asyncrl.tasks import build_tokenizer
 
 GROUP = 4
 PROMPT_LEN = 3
-GROUP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-SOCKET_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 TINY = [
     "model.tiny.num_layers=2",
     "model.tiny.hidden_size=32",
@@ -38,21 +33,6 @@ def tiny_config(device: str, mixed_precision: str) -> Config:
     return load_config(
         None, [*TINY, f"learner.device={device}", f"learner.mixed_precision={mixed_precision}"]
     )
-
-
-@contextmanager
-def single_rank(device: str) -> Iterator[Ranks]:
-    """A process group of one in this process (gloo on CPU, NCCL on CUDA); the
-    environment goes back afterwards, so the next test can make its own."""
-    saved = dict(os.environ)
-    for name in (*GROUP_ENV, *SOCKET_ENV):
-        os.environ.pop(name, None)
-    try:
-        yield distributed.init(device)
-    finally:
-        distributed.shutdown()
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def wire_batch(step: int, size: int = 16, max_response: int = 9):

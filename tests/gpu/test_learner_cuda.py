@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from gpu_cases import device_batch, single_rank, tiny_config
+from gpu_cases import device_batch, tiny_config
+from learner_testing import single_rank
 
 from asyncrl.learner.policy import Learner
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_cases import device_batch, single_rank, tiny_config
+from gpu_cases import device_batch, tiny_config
+from learner_testing import single_rank
 
 from asyncrl.generators.hf_backend import HFBackend
 from asyncrl.learner import sharding

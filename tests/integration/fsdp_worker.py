@@ -24,7 +24,7 @@ from asyncrl.transport import free_port, tcp
 from asyncrl.weights import WeightClient, WeightPublisher
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
-from learner_batches import synthetic_batch
+from learner_testing import synthetic_batch
 
 
 def published_and_fetched(learner: Learner, is_main: bool) -> dict | None:

@@ -77,12 +77,6 @@ def test_advantages_losses_and_kl_estimates_are_bit_identical_to_the_golden_valu
     assert_same(cases.compute_math(), GOLDEN["math"])
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    with cases.single_rank() as ranks:
-        yield ranks
-
-
 @pytest.mark.parametrize("case", sorted(cases.UPDATE_CASES))
 def test_two_learner_steps_give_the_golden_metrics_and_weights(ranks, case):
     torch.set_num_threads(1)

@@ -4,23 +4,17 @@ that a resume could need or that is still being written is ever deleted."""
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from asyncrl.config import load_config
-from asyncrl.learner import checkpoint, distributed
+from asyncrl.learner import checkpoint
 from asyncrl.learner.checkpointer import Checkpointer, Completer
 from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.policy import Learner
 from asyncrl.paths import COMPLETE, checkpoint_dir, latest_checkpoint
-
-GROUP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-SOCKET_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def fake_checkpoint(run_dir: Path, step: int, complete: bool = True) -> Path:
@@ -75,20 +69,6 @@ def test_none_keeps_every_checkpoint(tmp_path):
         fake_checkpoint(tmp_path, step)
     assert checkpoint.prune(tmp_path, None, checkpoint_dir(tmp_path, 30)) == []
     assert steps_left(tmp_path) == [10, 20, 30]
-
-
-@pytest.fixture(scope="module")
-def ranks() -> Iterator[Ranks]:
-    """A process group of one in this process; the environment goes back afterwards."""
-    saved = dict(os.environ)
-    for name in (*GROUP_ENV, *SOCKET_ENV):
-        os.environ.pop(name, None)
-    try:
-        yield distributed.init("cpu")
-    finally:
-        distributed.shutdown()
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def test_the_learner_keeps_the_newest_n_as_it_checkpoints(tmp_path, ranks: Ranks):

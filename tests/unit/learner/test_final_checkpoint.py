@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,16 +21,13 @@ from buffer_samples import group_samples, make_store
 from asyncrl.buffer.durable import check_state
 from asyncrl.buffer.store import SKIP_REASONS, BufferStore
 from asyncrl.config import load_config
-from asyncrl.learner import buffer_client, checkpoint, distributed
+from asyncrl.learner import buffer_client, checkpoint
 from asyncrl.learner.buffer_client import BufferClient, BufferStateNotSaved
 from asyncrl.learner.checkpointer import BufferState, Checkpointer, Completer
 from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.policy import Learner
 from asyncrl.paths import BUFFER_STATE, COMPLETE, TRAINED_GROUPS, checkpoint_dir
 from asyncrl.transport import tcp
-
-GROUP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-SOCKET_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def earlier_checkpoint(run_dir: Path, step: int, state: dict, complete: bool = True) -> Path:
@@ -142,20 +137,6 @@ def test_a_run_resumed_from_a_rebuilt_part_trains_no_group_twice_and_skips_none(
 
 
 # ------------------------------------------------------- the learner's side, for real
-
-
-@pytest.fixture(scope="module")
-def ranks() -> Iterator[Ranks]:
-    """A process group of one in this process; the environment goes back afterwards."""
-    saved = dict(os.environ)
-    for name in (*GROUP_ENV, *SOCKET_ENV):
-        os.environ.pop(name, None)
-    try:
-        yield distributed.init("cpu")
-    finally:
-        distributed.shutdown()
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 @pytest.fixture

@@ -9,40 +9,20 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
 import torch
-from learner_batches import synthetic_batch
+from learner_testing import synthetic_batch
 
 from asyncrl.config import load_config
-from asyncrl.learner import checkpoint, distributed
+from asyncrl.learner import checkpoint
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.checkpointer import Checkpointer, Completer
 from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.policy import Learner
 from asyncrl.paths import COMPLETE, checkpoint_dir, latest_checkpoint
 from asyncrl.tasks import build_tokenizer
-
-GROUP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-SOCKET_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-
-
-@pytest.fixture(scope="module")
-def ranks() -> Iterator[Ranks]:
-    """A process group of one in this process; the environment goes back afterwards."""
-    saved = dict(os.environ)
-    for name in (*GROUP_ENV, *SOCKET_ENV):
-        os.environ.pop(name, None)
-    try:
-        ranks = distributed.init("cpu")
-        yield ranks
-    finally:
-        distributed.shutdown()
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 @pytest.fixture

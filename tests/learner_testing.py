@@ -1,5 +1,6 @@
-"""A synthetic padded batch for learner tests: unit, integration (the FSDP worker
-script), GPU, and the script that captured the golden numbers.
+"""What learner tests build on: a process group of one in this process, and a synthetic
+padded batch. Used by the unit, integration (the FSDP worker script) and GPU tests and
+by the script that captured the golden numbers.
 
 Not a test module; each user puts ``tests/`` on ``sys.path`` (the unit tests' conftest
 does it for them).
@@ -7,7 +8,33 @@ does it for them).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
+
+RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+RANK_ENV += ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+"""What would make the process group join a launched run's instead of its own."""
+
+
+@contextmanager
+def single_rank(device: str = "cpu") -> Iterator:
+    """A process group of one in this process (gloo on CPU, NCCL on CUDA); the
+    environment goes back afterwards, so the next test can make its own."""
+    from asyncrl.learner import distributed
+
+    saved = dict(os.environ)
+    for name in RANK_ENV:
+        os.environ.pop(name, None)
+    try:
+        yield distributed.init(device)
+    finally:
+        distributed.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
+
 
 GROUP = 4
 """Samples per prompt group in the synthetic batches."""

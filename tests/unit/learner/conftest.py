@@ -1,0 +1,17 @@
+"""Fixtures shared by the learner's unit tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from learner_testing import single_rank
+
+from asyncrl.learner.distributed import Ranks
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[Ranks]:
+    """A process group of one in this process; the environment goes back afterwards."""
+    with single_rank() as ranks:
+        yield ranks
