@@ -15,7 +15,8 @@ config key and, for data, the file and row:
   called on the first row of each data source, with its ground truth as the
   response, in a reward worker process as the generators would, so one that
   raises, hangs, crashes, or scores outside ``reward.min``..``reward.max`` is
-  named with the row; without it, each row's ``data_source`` needs a built-in;
+  named with the row; without it, each row's ``data_source`` needs a built-in
+  (:func:`asyncrl.rewards.builtin_reward_function`) whose rewards fit that range;
 - the ``environment``, when set: built once (its tools resolved, its reward
   function loaded, its turn formatter built on the tokenizer), running no model;
 - this machine (:func:`machine_checks`): what it cannot give the run
@@ -254,19 +255,31 @@ class _FilesCheck:
 
 
 def _unscored_sources(config: Config, rows: Iterable[Row]) -> list[str]:
-    """Without ``reward.function``: each data source that has no built-in function."""
+    """Without ``reward.function``: each data source that has no built-in function (at
+    its first row), or whose built-in scores outside ``reward.min``..``reward.max``."""
     if config.reward.function:
         return []
-    from asyncrl.rewards import REWARD_FUNCTIONS
+    from asyncrl.rewards import builtin_reward_function, known_data_sources, reward_range
 
-    built_in = ", ".join(sorted(REWARD_FUNCTIONS))
-    return [
-        f"reward.function: {row.source}: no built-in reward function for data_source "
-        f"{row.data_source!r} (built in: {built_in}); set reward.function to "
-        "module:function or path/to/file.py:function"
-        for row in rows
-        if row.data_source not in REWARD_FUNCTIONS
-    ]
+    problems = []
+    low, high = config.reward.min, config.reward.max
+    for row in rows:
+        function = builtin_reward_function(row.data_source)
+        if function is None:
+            problems.append(
+                f"reward.function: {row.source}: no built-in reward function for data_source "
+                f"{row.data_source!r} (built in: {known_data_sources()}); set "
+                "reward.function to module:function or path/to/file.py:function"
+            )
+            continue
+        lowest, highest = reward_range(function)
+        if not low <= lowest <= highest <= high:
+            problems.append(
+                f"reward.min, reward.max: {row.source}: data_source {row.data_source!r} is "
+                f"scored by {function.__name__}, which gives {lowest:g}..{highest:g}, outside "
+                f"{low:g}..{high:g}: the buffer would refuse such samples"
+            )
+    return problems
 
 
 def _row_sample(row: Row) -> Sample:

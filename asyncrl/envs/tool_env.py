@@ -72,12 +72,10 @@ def default_score(data_source: str, solution_str: str, ground_truth: Any, extra_
     ``#### answer``) when there is one; otherwise 1.0 when the answer (the last
     ``\\boxed{...}``, else the whole text) equals the ground truth, numerically when
     both are numbers, else 0.0."""
-    from asyncrl.rewards import REWARD_FUNCTIONS
+    from asyncrl.rewards import builtin_reward_function
 
-    if data_source in REWARD_FUNCTIONS:
-        return float(
-            REWARD_FUNCTIONS[data_source](data_source, solution_str, ground_truth, extra_info)
-        )
+    if (builtin := builtin_reward_function(data_source)) is not None:
+        return float(builtin(data_source, solution_str, ground_truth, extra_info))
     if ground_truth is None:
         return 0.0
     boxed = re.findall(r"\\boxed\{([^{}]*)\}", solution_str)

@@ -7,22 +7,27 @@ A reward function has verl's signature::
 and returns a number (or a dict with a ``"score"`` entry, as verl allows).
 ``reward.function`` names one (``module:function`` or ``path/to/file.py:function``)
 for every row; left empty, each row's ``data_source`` picks a built-in from
-:data:`REWARD_FUNCTIONS`:
+:mod:`.sources`:
 
-================================================  ===========================
-data_source                                       scorer
-================================================  ===========================
-``synthetic/digits``                              :func:`digits_score`
-``openai/gsm8k``, ``gsm8k``                       :func:`gsm8k_score` (``#### 42``)
-``lighteval/MATH``, ``DigitalLearningGmbH/        :func:`math_score` (last ``\\boxed{}``)
-MATH-lighteval``, ``HuggingFaceH4/MATH-500``,
-``math``
-================================================  ===========================
+======================================================  =============================
+data_source                                             scorer (reward)
+======================================================  =============================
+``synthetic/digits``                                    :func:`digits_score` (0..1)
+``openai/gsm8k``, ``gsm8k``                             :func:`gsm8k_score` (0 or 1)
+``lighteval/MATH``, ``DigitalLearningGmbH/              :func:`math_score` (0 or 1)
+MATH-lighteval``, ``HuggingFaceH4/MATH-500``
+``math_dapo``, ``math``, ``math_dapo_reasoning``,       :func:`math_dapo_score`
+any name starting with ``aime``                         (1 or -1)
+======================================================  =============================
+
+As verl's ``default_compute_score`` resolves them (:func:`builtin_reward_function`).
 
 The package, one job a module:
 
-- :mod:`.builtin`: the built-in functions and the answer normalisation they use;
-- :mod:`.loading`: the registry, and loading ``reward.function`` by name;
+- :mod:`.builtin`: GSM8K's, MATH's and the digits task's functions, and their normalisation;
+- :mod:`.math_dapo`: DAPO's ``Answer:`` scorer, and its normalisation;
+- :mod:`.sources`: which built-in a ``data_source`` names;
+- :mod:`.loading`: loading ``reward.function`` by name;
 - :mod:`.outcome`: :class:`Score`, its error tags, what counts as a reward;
 - :mod:`.scorer`: :class:`RewardScorer`, which runs functions in worker processes
   (its docstring lists what a misbehaving function costs);
@@ -42,12 +47,11 @@ from asyncrl.rewards.builtin import (
     normalize_number,
 )
 from asyncrl.rewards.loading import (
-    REWARD_FUNCTIONS,
-    RewardFunction,
     RewardFunctionError,
     check_reward_sources,
     load_reward_function,
 )
+from asyncrl.rewards.math_dapo import extract_dapo_answer, math_dapo_score, normalize_dapo_answer
 from asyncrl.rewards.outcome import (
     ERROR_BAD_RETURN,
     ERROR_CHANNEL,
@@ -59,6 +63,14 @@ from asyncrl.rewards.outcome import (
     Score,
 )
 from asyncrl.rewards.scorer import RewardScorer
+from asyncrl.rewards.sources import (
+    REWARD_FUNCTIONS,
+    REWARD_PREFIXES,
+    RewardFunction,
+    builtin_reward_function,
+    known_data_sources,
+    reward_range,
+)
 
 __all__ = [
     "ERROR_BAD_RETURN",
@@ -69,19 +81,26 @@ __all__ = [
     "ERROR_NO_FUNCTION",
     "ERROR_TIMEOUT",
     "REWARD_FUNCTIONS",
+    "REWARD_PREFIXES",
     "RewardFunction",
     "RewardFunctionError",
     "RewardScorer",
     "Score",
+    "builtin_reward_function",
     "check_reward_sources",
     "digits_score",
     "extract_boxed",
+    "extract_dapo_answer",
     "extract_gsm8k_answer",
     "gsm8k_score",
     "gsm8k_score_flexible",
+    "known_data_sources",
     "load_reward_function",
+    "math_dapo_score",
     "math_equal",
     "math_score",
+    "normalize_dapo_answer",
     "normalize_math_answer",
     "normalize_number",
+    "reward_range",
 ]

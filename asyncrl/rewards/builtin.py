@@ -85,21 +85,27 @@ def extract_boxed(text: str) -> str | None:
 
 
 _TEXT_COMMANDS = r"\\(?:text|textbf|textrm|mbox|mathrm)"
+_SPACING_OR_ROW_BREAK = re.compile(r"(\\\\)|\\[!,;: ]")
+"""A row break ``\\\\``, or a spacing command: read left to right, so the second
+backslash of ``\\\\ `` (a row break, then a space) is not taken for ``\\ ``."""
+
+
+def _keep_row_breaks(match: re.Match[str]) -> str:
+    return match.group(1) or ""
 
 
 def normalize_math_answer(answer: str) -> str:
     """A canonical string for a MATH-style answer, so that equal answers compare equal.
 
-    Removes spaces (and ``\\,`` ``\\;`` ``\\!``), ``\\left``/``\\right``, ``$``, ``%``,
-    degrees (``^\\circ``), a trailing ``.``, a unit in a trailing ``\\text{...}``, a
-    short left-hand side (``x = 5`` -> ``5``), thousands separators (``1,000``);
+    Removes spaces (and ``\\,`` ``\\;`` ``\\:`` ``\\!`` ``\\ ``, keeping a row break
+    ``\\\\``), ``\\left``/``\\right``, ``$``, ``%``, degrees (``^\\circ``), a trailing
+    ``.``, a unit in a trailing ``\\text{...}``, a short left-hand side (``x = 5`` ->
+    ``5``), thousands separators (``1,000``);
     unwraps ``\\text{...}``; ``\\dfrac``/``\\tfrac`` -> ``\\frac``; ``\\frac12`` ->
     ``\\frac{1}{2}``; ``\\sqrt3`` -> ``\\sqrt{3}``; ``a/b`` (integers) ->
     ``\\frac{a}{b}``; ``.5`` -> ``0.5``.
     """
-    s = answer.strip().replace("\n", "")
-    for command in ("\\!", "\\,", "\\;", "\\:", "\\ "):
-        s = s.replace(command, "")
+    s = _SPACING_OR_ROW_BREAK.sub(_keep_row_breaks, answer.strip().replace("\n", ""))
     s = re.sub(r"\\(?:left|right)(?![a-zA-Z])", "", s)
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     for degree in ("^{\\circ}", "^\\circ", "°"):

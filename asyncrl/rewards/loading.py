@@ -1,5 +1,5 @@
-"""Which function scores a row: the registry of built-ins by ``data_source``, and
-``reward.function`` names (``module:function`` or ``path/to/file.py:function``)."""
+"""Which function scores a row: a built-in by ``data_source`` (:mod:`.sources`), or
+``reward.function`` by name (``module:function`` or ``path/to/file.py:function``)."""
 
 from __future__ import annotations
 
@@ -8,26 +8,10 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
-from asyncrl.rewards.builtin import digits_score, gsm8k_score, math_score
-
-RewardFunction = Callable[[str, str, str, Any], Any]
-"""``(data_source, solution_str, ground_truth, extra_info) -> float`` (or ``{"score": x}``)."""
-
-
-REWARD_FUNCTIONS: dict[str, RewardFunction] = {
-    "synthetic/digits": digits_score,
-    "openai/gsm8k": gsm8k_score,
-    "gsm8k": gsm8k_score,
-    "lighteval/MATH": math_score,
-    "DigitalLearningGmbH/MATH-lighteval": math_score,
-    "HuggingFaceH4/MATH-500": math_score,
-    "math": math_score,
-}
-"""Built-in reward functions by ``data_source``, used when ``reward.function`` is empty."""
+from asyncrl.rewards.sources import RewardFunction, builtin_reward_function, known_data_sources
 
 
 class RewardFunctionError(ValueError):
@@ -100,10 +84,10 @@ def check_reward_sources(function: str | None, data_sources: Iterable[str]) -> N
     if function:
         load_reward_function(function)
         return
-    unknown = sorted(set(data_sources) - set(REWARD_FUNCTIONS))
+    unknown = sorted({source for source in data_sources if not builtin_reward_function(source)})
     if unknown:
         raise RewardFunctionError(
             f"no built-in reward function for data_source {', '.join(map(repr, unknown))}; "
-            f"built in: {', '.join(sorted(REWARD_FUNCTIONS))}. "
+            f"built in: {known_data_sources()}. "
             "Set reward.function=module:function or path/to/file.py:function"
         )

@@ -15,7 +15,7 @@ import threading
 import time
 
 from asyncrl.rewards.channel import FRAME, decode_jobs, read_exactly, send_reply
-from asyncrl.rewards.loading import REWARD_FUNCTIONS, RewardFunction, load_reward_function
+from asyncrl.rewards.loading import load_reward_function
 from asyncrl.rewards.outcome import (
     DETAIL_CHARS,
     ERROR_BAD_RETURN,
@@ -27,6 +27,7 @@ from asyncrl.rewards.outcome import (
     short_repr,
     to_reward,
 )
+from asyncrl.rewards.sources import RewardFunction, builtin_reward_function
 
 _CHANNEL_FD = 512
 """Where a worker moves its channel: far from the low numbers a function might write to."""
@@ -41,7 +42,7 @@ def score_one(function: RewardFunction | None, job: tuple) -> tuple[float, str |
         except Exception as error:
             return 0.0, ERROR_EXCEPTION, clip(str(error))
     if function is None:
-        function = REWARD_FUNCTIONS.get(data_source)
+        function = builtin_reward_function(data_source)
         if function is None:
             return 0.0, ERROR_NO_FUNCTION, f"no reward function for data_source {data_source!r}"
     try:

@@ -27,6 +27,7 @@ from asyncrl.rewards import (
     RewardScorer,
     Score,
     load_reward_function,
+    reward_range,
 )
 
 PLUGINS = '''
@@ -157,7 +158,8 @@ def test_every_built_in_reward_keeps_the_contract():
         assert load_reward_function(name) is function  # nameable in a config
         reward = function(data_source, "no answer here", "42", None)
         assert isinstance(reward, float) and math.isfinite(reward), data_source
-        assert 0.0 <= reward <= 1.0
+        low, high = reward_range(function)
+        assert low <= reward <= high and -1.0 <= low < high <= 1.0
 
 
 # --------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from asyncrl.rewards import (
     gsm8k_score,
     gsm8k_score_flexible,
     load_reward_function,
+    math_dapo_score,
     math_equal,
     math_score,
     normalize_math_answer,
@@ -132,8 +133,9 @@ def test_math_score_reads_the_last_box_against_a_boxed_or_plain_truth():
 def test_registry_covers_the_built_in_data_sources():
     assert REWARD_FUNCTIONS["synthetic/digits"] is tasks.digits_score
     assert REWARD_FUNCTIONS["openai/gsm8k"] is gsm8k_score
-    for source in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "math"):
+    for source in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval"):
         assert REWARD_FUNCTIONS[source] is math_score
+    assert REWARD_FUNCTIONS["math"] is math_dapo_score  # verl's: "math" is DAPO's scorer
     assert tasks.REWARD_FUNCTIONS is REWARD_FUNCTIONS  # the old name still imports
 
 
