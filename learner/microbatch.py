@@ -15,12 +15,18 @@ out of it on long ones. Instead:
    trainer runs those with zero weight).
 
 Everything here is a pure function of the lengths, so every rank computes the
-same plan without talking to the others.
+same plan without talking to the others. :func:`micro_batches` turns one rank's
+part of a plan into :class:`MicroBatch` views of the batch.
 """
 
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
+
+import torch
+
+from asyncrl.learner.batch import TrainBatch
 
 Plan = list[list[list[int]]]
 """``plan[rank][micro_batch]`` lists sample indices into the batch."""
@@ -90,3 +96,33 @@ def minibatch_plans(lengths: list[int], world_size: int, max_tokens: int, count:
         local = plan([lengths[i] for i in rows], world_size, max_tokens)
         plans.append([[[rows[i] for i in micro] for micro in rank] for rank in local])
     return plans
+
+
+@dataclass
+class MicroBatch:
+    """Rows of the batch trimmed to their longest sequence; ``weight`` 0 marks a filler."""
+
+    rows: torch.Tensor  # [b] indices into the batch
+    width: int  # tokens per row (input); per-token fields have width - 1
+    weight: float = 1.0
+
+    def input(self, batch: TrainBatch, device: torch.device):
+        return (
+            batch.input_ids[self.rows, : self.width].to(device),
+            batch.attention_mask[self.rows, : self.width].to(device),
+        )
+
+    def tokens(self, full: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A per-token [B, L-1] tensor cut to this micro-batch."""
+        return full[self.rows, : self.width - 1].to(device)
+
+
+def micro_batches(plan: list[list[int]], lengths: list[int]) -> list[MicroBatch]:
+    """The plan's index lists as MicroBatches; an empty slot becomes a zero-weight filler."""
+    out = []
+    for rows in plan:
+        if rows:
+            out.append(MicroBatch(torch.tensor(rows), max(lengths[i] for i in rows)))
+        else:  # keeps FSDP's collectives in step with the other ranks
+            out.append(MicroBatch(torch.tensor([0]), max(2, lengths[0]), weight=0.0))
+    return out

@@ -104,6 +104,7 @@ class Learner:
             "step": self.version,  # trainer.json's name for it
             "scheduler": self.scheduler.state_dict(),
             "skipped_nonfinite_total": self.update.skipped_nonfinite,
+            "kl_controller": self.update.kl_control.state_dict(),
         }
         saved = checkpoint.save(path, self.model, self.optimizer, state, self.ranks.rank)
         if not saved:
@@ -115,6 +116,8 @@ class Learner:
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = state["step"]
         self.update.skipped_nonfinite = state.get("skipped_nonfinite_total", 0)
+        if "kl_controller" in state:  # absent from checkpoints before the adaptive controller
+            self.update.kl_control.load_state_dict(state["kl_controller"])
 
     def save_pretrained(self, path: Path) -> None:
         """The policy in Hugging Face format (rank 0 writes; every rank must call)."""

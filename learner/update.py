@@ -27,7 +27,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -37,17 +37,23 @@ from asyncrl.config import Config
 from asyncrl.learner import microbatch
 from asyncrl.learner.algorithms import (
     ADVANTAGES,
+    AGGREGATIONS,
     aggregate,
+    batch_kl,
     compute_advantages,
     entropy_from_logits,
     kl_estimate,
+    make_kl_controller,
     needs_of,
+    off_policy_metrics,
     policy_loss,
     token_level_rewards,
     token_logprobs,
     value_loss,
 )
+from asyncrl.learner.algorithms.off_policy import SEQUENCE_MEAN_KEYS
 from asyncrl.learner.batch import TrainBatch
+from asyncrl.learner.batch_correction import BatchCorrection, correct_batch
 from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.sharding import forward
 
@@ -57,36 +63,6 @@ SKIP_WARNING_EVERY_S = 60.0
 """At most one warning per this many seconds about skipped non-finite updates."""
 
 log = logging.getLogger("asyncrl.learner")
-
-
-@dataclass
-class MicroBatch:
-    """Rows of the batch trimmed to their longest sequence; ``weight`` 0 marks a filler."""
-
-    rows: torch.Tensor  # [b] indices into the batch
-    width: int  # tokens per row (input); per-token fields have width - 1
-    weight: float = 1.0
-
-    def input(self, batch: TrainBatch, device: torch.device):
-        return (
-            batch.input_ids[self.rows, : self.width].to(device),
-            batch.attention_mask[self.rows, : self.width].to(device),
-        )
-
-    def tokens(self, full: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """A per-token [B, L-1] tensor cut to this micro-batch."""
-        return full[self.rows, : self.width - 1].to(device)
-
-
-def micro_batches(plan: list[list[int]], lengths: list[int]) -> list[MicroBatch]:
-    """The plan's index lists as MicroBatches; an empty slot becomes a zero-weight filler."""
-    out = []
-    for rows in plan:
-        if rows:
-            out.append(MicroBatch(torch.tensor(rows), max(lengths[i] for i in rows)))
-        else:  # keeps FSDP's collectives in step with the other ranks
-            out.append(MicroBatch(torch.tensor([0]), max(2, lengths[0]), weight=0.0))
-    return out
 
 
 class Update:
@@ -109,6 +85,14 @@ class Update:
         self.ranks = ranks
         self.reference = reference
         self.temperature = config.generators.temperature
+        algorithm = config.algorithm
+        self.kl_control = make_kl_controller(
+            algorithm.kl_controller,
+            kl_coef=algorithm.kl_coef,
+            target=algorithm.kl_target,
+            horizon=algorithm.kl_horizon,
+        )
+        """The in-reward KL coefficient: fixed, or steered towards ``kl_target``."""
         self.skipped_nonfinite = 0
         """Optimizer updates not applied because the loss or gradient norm was not finite."""
         self._warned_at = -math.inf
@@ -133,12 +117,17 @@ class Update:
     def proximal_logprobs(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
         """The pre-pass: what the update needs of the weights before this batch changes
         them, as full-batch [B, L-1] tensors (no grad). ``proximal``, their log-probs,
-        where the first update's own would not do (several updates per batch, or KL in
-        the reward); ``reference`` (KL) and ``values`` (PPO critic) from the same
-        forward passes; ``{}`` when nothing is needed."""
-        learner = self.config.learner
+        where the first update's own would not do (several updates per batch unless
+        bypassed, KL in the reward, or a whole-batch correction); ``reference`` (KL) and
+        ``values`` (PPO critic) from the same forward passes; ``{}`` when nothing is
+        needed."""
+        learner, algorithm = self.config.learner, self.algorithm
         lengths, _, mine = self._plan(batch)
-        needs_proximal = learner.minibatches > 1 or self.needs.kl_in_reward
+        needs_proximal = (
+            (learner.minibatches > 1 and not algorithm.bypass)
+            or self.needs.kl_in_reward
+            or algorithm.needs_proximal_pass
+        )
         return self._pre_pass(
             batch, [m for update in mine for m in update], lengths, needs_proximal
         )
@@ -149,6 +138,15 @@ class Update:
         """Train on ``batch`` (policy ``version``), given its :meth:`proximal_logprobs`."""
         algorithm, learner = self.algorithm, self.config.learner
         lengths, plans, mine = self._plan(batch)
+        extra: dict[str, float] = {}
+
+        correction = BatchCorrection(batch.loss_mask)
+        if algorithm.needs_proximal_pass:  # rejected tokens leave the loss and its counts
+            correction = correct_batch(
+                algorithm, pre["proximal"], batch.behavior_logprobs, batch.loss_mask
+            )
+            batch = replace(batch, loss_mask=correction.loss_mask)
+            extra |= correction.metrics
 
         kl_reward = None
         if self.needs.kl_in_reward:
@@ -156,8 +154,12 @@ class Update:
         token_rewards = None
         if self.needs.token_rewards:
             token_rewards = token_level_rewards(
-                batch.rewards, batch.loss_mask, kl=kl_reward, kl_coef=algorithm.kl_coef
+                batch.rewards, batch.loss_mask, kl=kl_reward, kl_coef=self.kl_control.value
             )
+        if kl_reward is not None:
+            current = batch_kl(kl_reward, batch.loss_mask)
+            extra |= {"kl_reward": current, "kl_coef": self.kl_control.value}
+            self.kl_control.update(current, n_samples=batch.num_samples)
         advantages, returns = compute_advantages(
             algorithm.advantage,
             rewards=batch.rewards,
@@ -174,16 +176,16 @@ class Update:
             everyone = torch.tensor([i for rank in plan for rows in rank for i in rows])
             normalizers = {
                 "num_tokens": batch.loss_mask[everyone].sum().item(),
-                "num_sequences": float(len(everyone)),
+                "num_sequences": self._sequences(batch.loss_mask[everyone]),
                 "norm_length": self.config.generators.max_new_tokens,
             }
             self.optimizer.zero_grad(set_to_none=True)
-            parts = micro_batches(update, lengths)
+            parts = microbatch.micro_batches(update, lengths)
             loss = 0.0  # this rank's share of the mini-batch's objective
             for index, part in enumerate(parts):
                 self.model.set_requires_gradient_sync(index == len(parts) - 1)
                 stats, part_loss = self._micro_step(
-                    batch, part, advantages, returns, pre, normalizers, version
+                    batch, part, advantages, returns, pre, normalizers, version, correction
                 )
                 loss += part_loss
                 for key, (value, weight) in stats.items():
@@ -204,14 +206,25 @@ class Update:
             else:  # a NaN or inf would reach the weights and the optimizer state
                 self.optimizer.zero_grad(set_to_none=True)
                 self._skip_nonfinite(version, number, len(plans), loss, norm)
-        return self._reduce(sums, maxima) | {
-            "advantage_abs_mean": advantages[batch.loss_mask.bool()].abs().mean().item()
-            if batch.loss_mask.any()
-            else 0.0,
-            "learner_minibatches": float(len(mine)),
-            "learner_microbatches": float(sum(len(update) for update in mine)),
-            "learner_skipped_nonfinite_total": float(self.skipped_nonfinite),
-        }
+        return (
+            self._reduce(sums, maxima)
+            | {
+                "advantage_abs_mean": advantages[batch.loss_mask.bool()].abs().mean().item()
+                if batch.loss_mask.any()
+                else 0.0,
+                "learner_minibatches": float(len(mine)),
+                "learner_microbatches": float(sum(len(update) for update in mine)),
+                "learner_skipped_nonfinite_total": float(self.skipped_nonfinite),
+            }
+            | extra
+        )
+
+    def _sequences(self, loss_mask: torch.Tensor) -> float:
+        """The mini-batch's sequence count for the seq-mean aggregations: the rows with a
+        valid token, as verl counts them (every row for the constant Dr. GRPO norm)."""
+        if AGGREGATIONS[self.algorithm.aggregation].counts_empty_rows:
+            return float(loss_mask.shape[0])
+        return float(loss_mask.bool().any(-1).sum().item())
 
     def _summed_over_ranks(self, value: float) -> float:
         """``value`` summed over ranks (a NaN or inf on any rank makes the sum non-finite)."""
@@ -275,7 +288,7 @@ class Update:
             return {}
         device = self.ranks.device
         out = {name: torch.zeros_like(batch.behavior_logprobs, device=device) for name in wanted}
-        for part in micro_batches(parts, lengths):
+        for part in microbatch.micro_batches(parts, lengths):
             input_ids, attention_mask = part.input(batch, device)
             targets = input_ids[:, 1:]
             cut = (part.rows, slice(0, part.width - 1))
@@ -298,12 +311,13 @@ class Update:
     def _micro_step(
         self,
         batch: TrainBatch,
-        part: MicroBatch,
+        part: microbatch.MicroBatch,
         advantages: torch.Tensor,
         returns: torch.Tensor | None,
         pre: dict[str, torch.Tensor],
         normalizers: dict[str, float],
         version: int,
+        correction: BatchCorrection,
     ) -> tuple[dict[str, tuple[float, float]], float]:
         """Forward and backward one micro-batch; returns ``{stat: (value, weight)}`` and
         the value of the objective that was back-propagated."""
@@ -315,22 +329,34 @@ class Update:
         logits, values = forward(self.model, input_ids, attention_mask)
         logits = logits[:, :-1]
         logprobs = token_logprobs(logits, input_ids[:, 1:], self.temperature)
-        proximal = part.tokens(pre["proximal"], device) if "proximal" in pre else logprobs.detach()
+        if algorithm.bypass:  # pi_prox = pi_b: the ratio is to the behavior policy itself
+            proximal = behavior
+        elif "proximal" in pre:
+            proximal = part.tokens(pre["proximal"], device)
+        else:
+            proximal = logprobs.detach()
         loss, stats = policy_loss(
             logprobs,
             proximal,
             behavior,
             part.tokens(advantages, device),
             mask,
+            loss=algorithm.policy_loss,
             clip_low=algorithm.clip_low,
             clip_high=algorithm.clip_high,
             clip_c=algorithm.clip_c,
+            sapo_tau_pos=algorithm.sapo_tau_pos,
+            sapo_tau_neg=algorithm.sapo_tau_neg,
             correction=algorithm.correction,
             correction_level=algorithm.correction_level,
             correction_cap=algorithm.correction_cap,
+            correction_floor=algorithm.correction_floor,
+            weight_scale=correction.weight_scale,
             aggregation=algorithm.aggregation,
             **normalizers,
         )
+        training = logprobs.detach() if algorithm.bypass else proximal
+        off_policy = off_policy_metrics(training, behavior, mask, algorithm.correction_cap)
         out = {
             f"learner_{key}" if not key.startswith("importance") else key: v
             for key, v in stats.items()
@@ -380,6 +406,9 @@ class Update:
                 float((entropy * mask).sum() / max(tokens, 1.0)),
                 weight,
             )
+            sequences = float(mask.bool().any(-1).sum().item())
+            for key, value in off_policy.items():
+                result[key] = (float(value), sequences if key in SEQUENCE_MEAN_KEYS else weight)
             # Tokens sampled with the weights being trained: generator and learner
             # should agree on them up to numerics (null in metrics.jsonl if there are none).
             mismatch = (proximal - behavior).abs()[current]

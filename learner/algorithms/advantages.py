@@ -1,18 +1,30 @@
 """Advantage estimators, registered in :data:`~.registry.ADVANTAGES` with their configs.
 
-Outcome methods (``grpo``, ``dr_grpo``, ``rloo``) map ``rewards [B], group_ids
-[B] -> [B]`` (one advantage per sample); token methods (``reinforce_pp``,
-``gae``) map per-token rewards to ``[B, T]``. :func:`compute_advantages` is the
-uniform entry point: it gives each estimator what its registry entry says it needs,
-and broadcasts per-sample advantages to tokens.
+Outcome methods (``grpo``, ``dr_grpo``, ``rloo``, ``grpo_passk``) map ``rewards [B],
+group_ids [B] -> [B]`` (one advantage per sample); token methods (``reinforce_pp``,
+``reinforce_pp_baseline``, ``gae``) map per-token rewards to ``[B, T]``.
+:func:`compute_advantages` is the uniform entry point: it gives each estimator what its
+registry entry says it needs (and ``group_ids`` to a token method that takes them), and
+broadcasts per-sample advantages to tokens. The formulas are verl's (``core_algos.py``);
+where they differ on purpose, the docstring says so.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
-from asyncrl.config import DrGrpoConfig, GaeConfig, GrpoConfig, ReinforcePPConfig, RlooConfig
-from asyncrl.learner.algorithms.masked import masked_whiten
+from asyncrl.config.algorithm import (
+    DrGrpoConfig,
+    GaeConfig,
+    GrpoConfig,
+    GrpoPasskConfig,
+    ReinforcePPBaselineConfig,
+    ReinforcePPConfig,
+    RlooConfig,
+)
+from asyncrl.learner.algorithms.masked import WHITEN_EPS, masked_whiten
 from asyncrl.learner.algorithms.registry import ADVANTAGES, register_advantage
 
 Tensor = torch.Tensor
@@ -31,12 +43,14 @@ def _group_members(group_ids: Tensor) -> list[Tensor]:
 def grpo_advantages(
     rewards: Tensor, group_ids: Tensor, normalize_std: bool = True, eps: float = 1e-6
 ) -> Tensor:
-    """Reward minus its group's mean, divided by the group's std if asked.  [B] -> [B]
+    """Reward minus its group's mean, divided by ``std + eps`` if asked.  [B] -> [B]
 
-    GRPO's baseline is the other answers to the same prompt. The std is the
-    population std (no Bessel correction). A group of one, or a group whose
-    rewards are all equal, gets exactly 0: it says nothing about which answer
-    was better (and dividing its rounding noise by ``eps`` would invent a signal).
+    GRPO's baseline is the other answers to the same prompt. As verl: the std is the
+    unbiased one (Bessel, ``n - 1``), ``(r - mean) / (std + 1e-6)``. A group whose
+    rewards are all equal gets exactly 0 (verl: its mean's rounding error over ``eps``,
+    which can be a fake advantage of 0.03). A group of one also gets 0: it says nothing
+    about which answer was better. This is a deliberate deviation: verl gives a lone
+    sample its raw reward (baseline 0, std 1).
     """
     rewards = rewards.float()
     advantages = torch.zeros_like(rewards)
@@ -46,7 +60,7 @@ def grpo_advantages(
             continue
         centered = group - group.mean()
         if normalize_std:
-            centered = centered / (group.std(unbiased=False) + eps)
+            centered = centered / (group.std(unbiased=True) + eps)
         advantages[members] = centered
     return advantages
 
@@ -79,6 +93,32 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
         if n < 2 or bool(group.max() == group.min()):
             continue
         advantages[members] = group - (group.sum() - group) / (n - 1)
+    return advantages
+
+
+@register_advantage("grpo_passk", config=GrpoPasskConfig, per_sample=True)
+def grpo_passk_advantages(
+    rewards: Tensor, group_ids: Tensor, normalize_std: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """Pass@k: only each group's best sample learns, from ``best - second best``.  [B] -> [B]
+
+    verl's ``grpo_passk`` (after arXiv 2503.19595): the gap is divided by the group's
+    unbiased std plus ``eps`` when ``normalize_std``; every other sample gets 0. A tie at
+    the top gives 0. A group of one gets 0 (verl raises; the config asks for
+    ``group_size >= 2``).
+    """
+    rewards = rewards.float()
+    advantages = torch.zeros_like(rewards)
+    for members in _group_members(group_ids):
+        (indices,) = members.nonzero(as_tuple=True)
+        group = rewards[indices]
+        if group.numel() < 2:
+            continue
+        best = group.topk(2)
+        gap = best.values[0] - best.values[1]
+        if normalize_std:
+            gap = gap / (group.std(unbiased=True) + eps)
+        advantages[indices[best.indices[0]]] = gap
     return advantages
 
 
@@ -131,17 +171,40 @@ def _discounted_reverse_cumsum(values: Tensor, mask: Tensor, discount: float) ->
 
 @register_advantage("reinforce_pp", config=ReinforcePPConfig, needs_token_rewards=True)
 def reinforce_pp_advantages(
-    token_rewards: Tensor, mask: Tensor, gamma: float = 1.0, eps: float = 1e-6
+    token_rewards: Tensor, mask: Tensor, gamma: float = 1.0, eps: float = WHITEN_EPS
 ) -> Tensor:
     """REINFORCE++: discounted return-to-go, whitened over the batch's valid tokens.  [B, T]
 
     ``G_t = sum_{k >= t} gamma^(k - t) r_k`` over valid tokens (the per-token
     rewards carry the KL penalty when it is in the reward), then
-    ``(G - mean) / (std + eps)`` with mean and std over all valid tokens of the
-    batch: a global baseline instead of a critic or a group.
+    ``(G - mean) / sqrt(var + eps)`` over all valid tokens of the batch (unbiased
+    variance, :func:`~.masked.masked_whiten`, as verl): a global baseline instead of a
+    critic or a group. A masked position inside a row (a tool's output) is skipped, not
+    a stop: verl resets the return there, so a final reward would never reach the
+    tokens before a tool call.
     """
     returns = _discounted_reverse_cumsum(token_rewards, mask, gamma)
     return masked_whiten(returns, mask, eps)
+
+
+@register_advantage("reinforce_pp_baseline", config=ReinforcePPBaselineConfig)
+def reinforce_pp_baseline_advantages(
+    token_rewards: Tensor, mask: Tensor, group_ids: Tensor, eps: float = WHITEN_EPS
+) -> Tensor:
+    """REINFORCE++-baseline: the sample's score minus its group's mean, on every valid
+    token, then whitened over the batch's valid tokens.  [B, T]
+
+    verl's ``reinforce_plus_plus_baseline`` (arXiv 2501.03262): the score is the row sum
+    of ``token_rewards`` (the outcome, minus a KL in the reward); whitening is
+    :func:`~.masked.masked_whiten`, so a long answer weighs more in the batch's mean and
+    variance. A group of one, or of equal scores, is centred to exactly 0 (verl keeps a
+    lone sample's raw score).
+    """
+    mask = mask.bool()
+    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    scores = torch.where(mask, token_rewards.float(), zeros).sum(-1)
+    centered = grpo_advantages(scores, group_ids, normalize_std=False)
+    return masked_whiten(torch.where(mask, centered.unsqueeze(-1), zeros), mask, eps)
 
 
 @register_advantage("gae", config=GaeConfig, needs_values=True, needs_token_rewards=True)
@@ -151,7 +214,7 @@ def gae_advantages(
     mask: Tensor,
     gamma: float = 1.0,
     lam: float = 1.0,
-    eps: float = 1e-6,
+    eps: float = WHITEN_EPS,
 ) -> tuple[Tensor, Tensor]:
     """PPO with a critic: GAE(gamma, lambda) over the valid tokens.  -> (advantages, returns)
 
@@ -160,7 +223,8 @@ def gae_advantages(
     when it was cut at the length limit), ``A_t = delta_t + gamma lam A_next``.
     The value-head targets are ``returns = A + V`` (before whitening). As PPO
     implementations do, the advantages are then whitened over the valid
-    tokens of the batch — so call this on the whole batch, not per micro-batch.
+    tokens of the batch (:func:`~.masked.masked_whiten`, as verl) — so call this on the
+    whole batch, not per micro-batch.
     """
     mask = mask.bool()
     values = torch.where(mask, values.float(), torch.zeros_like(values, dtype=torch.float32))
@@ -199,10 +263,12 @@ def compute_advantages(
     (``normalize_std``, ``gamma``, ``lam``, ...); each estimator takes its own and
     ignores the rest.
 
-    Per-sample estimators broadcast the sample's advantage to all its tokens.
+    A token method whose function takes ``group_ids`` (``reinforce_pp_baseline``) gets
+    them. Per-sample estimators broadcast the sample's advantage to all its tokens.
     ``returns`` are the value-head targets of an estimator that needs values,
     ``None`` otherwise. Advantages are 0 where ``mask`` is 0. Whitening
-    (``reinforce_pp``, ``gae``) is over the whole input, so pass the whole batch.
+    (``reinforce_pp``, ``reinforce_pp_baseline``, ``gae``) is over the whole input, so
+    pass the whole batch.
     """
     estimator = ADVANTAGES[name]
     own = {knob: value for knob, value in knobs.items() if knob in estimator.knobs}
@@ -215,8 +281,11 @@ def compute_advantages(
         return torch.where(mask, per_sample.float().unsqueeze(-1).expand_as(zeros), zeros), None
     if token_rewards is None:
         token_rewards = token_level_rewards(rewards, mask)
+    tensors = {"token_rewards": token_rewards, "mask": mask}
+    if "group_ids" in inspect.signature(estimator.fn).parameters:
+        tensors["group_ids"] = group_ids
     if not estimator.needs_values:
-        return estimator.fn(token_rewards=token_rewards, mask=mask, **own), None
+        return estimator.fn(**tensors, **own), None
     if values is None:
         raise ValueError(f"advantage {name!r} needs the critic's values [B, T]")
-    return estimator.fn(token_rewards=token_rewards, values=values, mask=mask, **own)
+    return estimator.fn(values=values, **tensors, **own)

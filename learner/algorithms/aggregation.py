@@ -20,6 +20,12 @@ def _normalizer(given: float | Tensor | None, default: float | Tensor) -> float 
     return max(float(value), 1.0)
 
 
+def _rows_with_tokens(mask: Tensor) -> Tensor:
+    """Rows with at least one valid token: the seq-mean modes' local count (as verl, an
+    all-masked row is no sequence)."""
+    return mask.any(-1).sum()
+
+
 @register_aggregation("token-mean")
 def token_mean(values: Tensor, mask: Tensor, num_tokens: Normalizer, **_: Normalizer) -> Tensor:
     """``sum(x * m) / num_tokens`` (default: valid tokens here)."""
@@ -32,7 +38,7 @@ def seq_mean_token_mean(
 ) -> Tensor:
     """``sum_b mean_t(x_b) / num_sequences``; a row with no valid token contributes 0."""
     lengths = mask.sum(-1).clamp(min=1).to(values.dtype)
-    return (values.sum(-1) / lengths).sum() / _normalizer(num_sequences, mask.shape[0])
+    return (values.sum(-1) / lengths).sum() / _normalizer(num_sequences, _rows_with_tokens(mask))
 
 
 @register_aggregation("seq-mean-token-sum")
@@ -40,10 +46,10 @@ def seq_mean_token_sum(
     values: Tensor, mask: Tensor, num_sequences: Normalizer, **_: Normalizer
 ) -> Tensor:
     """``sum_b sum_t(x_b) / num_sequences``."""
-    return values.sum() / _normalizer(num_sequences, mask.shape[0])
+    return values.sum() / _normalizer(num_sequences, _rows_with_tokens(mask))
 
 
-@register_aggregation("seq-mean-token-sum-norm")
+@register_aggregation("seq-mean-token-sum-norm", counts_empty_rows=True)
 def seq_mean_token_sum_norm(
     values: Tensor,
     mask: Tensor,
@@ -76,8 +82,9 @@ def aggregate(
 
     - ``token-mean``: ``sum(x * m) / num_tokens`` (default: valid tokens here);
     - ``seq-mean-token-mean``: ``sum_b mean_t(x_b) / num_sequences``; a row
-      with no valid token contributes 0 (default ``num_sequences``: rows here);
-    - ``seq-mean-token-sum``: ``sum_b sum_t(x_b) / num_sequences``;
+      with no valid token contributes 0 (default ``num_sequences``: the rows here
+      with a valid token, as verl);
+    - ``seq-mean-token-sum``: ``sum_b sum_t(x_b) / num_sequences`` (same default);
     - ``seq-mean-token-sum-norm`` (Dr. GRPO): ``sum(x * m) / (num_sequences *
       norm_length)``, a constant normalizer free of length bias (default
       ``norm_length``: T here).

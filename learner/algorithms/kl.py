@@ -10,6 +10,10 @@ from asyncrl.learner.algorithms.registry import KL_ESTIMATORS, register_kl_estim
 
 Tensor = torch.Tensor
 
+K3_LIMIT = 10.0
+"""k3 is capped at 10 per token (as verl's ``low_var_kl``): its gradient grows like
+``exp(-x)``, and past the cap a token far below the reference adds no gradient at all."""
+
 
 @register_kl_estimator("k1", unbiased=True, non_negative=False)
 def k1(log_ratio: Tensor) -> Tensor:
@@ -25,8 +29,20 @@ def k2(log_ratio: Tensor) -> Tensor:
 
 @register_kl_estimator("k3", unbiased=True, non_negative=True)
 def k3(log_ratio: Tensor) -> Tensor:
-    """``exp(-x) - 1 + x``: unbiased and never negative; ``x`` clamped to +-20 inside ``exp``."""
-    return (-log_ratio).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp() - 1.0 + log_ratio
+    """``exp(-x) - 1 + x`` with ``x`` clamped to +-20 (in both terms), capped at 10.
+
+    verl's ``low_var_kl``. The clamp is applied once, so past it the estimate is flat
+    and has no gradient, instead of the linear term alone pushing ``x`` further out.
+    Unbiased and never negative inside the clamps.
+    """
+    x = log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    return (torch.exp(-x) - 1.0 + x).clamp(max=K3_LIMIT)
+
+
+@register_kl_estimator("abs", unbiased=False, non_negative=True)
+def absolute(log_ratio: Tensor) -> Tensor:
+    """``|x|``: never negative, biased (verl's ``abs``)."""
+    return log_ratio.abs()
 
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
@@ -34,9 +50,9 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -
 
     With ``x = logprobs - ref_logprobs``: ``k1 = x`` (unbiased, can be negative),
     ``k2 = x^2 / 2`` (low variance, biased), ``k3 = exp(-x) - 1 + x`` (unbiased, never
-    negative). Differentiable in ``logprobs``: in the loss add
-    ``kl_coef * aggregate(kl, mask, ...)``; in the reward pass it detached to
-    :func:`~.advantages.token_level_rewards`.
+    negative; ``x`` clamped to +-20, the value capped at 10, as verl), ``abs = |x|``.
+    Differentiable in ``logprobs``: in the loss add ``kl_coef * aggregate(kl, mask, ...)``;
+    in the reward pass it detached to :func:`~.advantages.token_level_rewards`.
     """
     chosen = KL_ESTIMATORS[estimator]
     return chosen.fn(logprobs.float() - ref_logprobs.float().detach())

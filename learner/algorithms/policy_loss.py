@@ -1,54 +1,18 @@
-"""The clipped PPO surrogate with a behavior correction, and the corrections themselves
-(registered in :data:`~.registry.CORRECTIONS`). Notation: see the package docstring."""
+"""The policy loss: a surrogate (:mod:`.surrogates`, by ``algorithm.policy_loss``) with a
+behavior correction (:mod:`.corrections`), aggregated (:mod:`.aggregation`). Notation:
+see the package docstring."""
 
 from __future__ import annotations
 
 import torch
 
+from asyncrl.learner.algorithms import surrogates  # noqa: F401  (registers the losses)
 from asyncrl.learner.algorithms.aggregation import aggregate
+from asyncrl.learner.algorithms.corrections import behavior_weights
 from asyncrl.learner.algorithms.masked import LOG_RATIO_LIMIT, masked_mean
-from asyncrl.learner.algorithms.registry import CORRECTIONS, register_correction
+from asyncrl.learner.algorithms.registry import POLICY_LOSSES
 
 Tensor = torch.Tensor
-
-
-@register_correction("none", uses_cap=False)
-def no_correction(rho: Tensor, cap: float) -> Tensor:
-    """w = 1: trains off-policy tokens as if on-policy (an ablation)."""
-    return torch.ones_like(rho)
-
-
-@register_correction("tis", uses_cap=True)
-def truncated_importance_sampling(rho: Tensor, cap: float) -> Tensor:
-    """w = min(rho, C)."""
-    return rho.clamp(max=cap)
-
-
-@register_correction("mis", uses_cap=True)
-def masked_importance_sampling(rho: Tensor, cap: float) -> Tensor:
-    """w = rho where rho <= C, else 0 (the token still counts in the normalizer)."""
-    return torch.where(rho > cap, torch.zeros_like(rho), rho)
-
-
-@register_correction("decoupled", uses_cap=False)
-def decoupled(rho: Tensor, cap: float) -> Tensor:
-    """w = rho untruncated: AReaL's decoupled PPO objective."""
-    return rho
-
-
-def _behavior_log_ratio(
-    proximal_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tensor, level: str
-) -> Tensor:
-    """log(pi_prox / pi_b) per token, or per sequence (the log of the geometric mean)."""
-    log_rho = (proximal_logprobs.float() - behavior_logprobs.float()).detach()
-    log_rho = torch.where(mask, log_rho, torch.zeros_like(log_rho))
-    if level == "token":
-        return log_rho
-    if level == "sequence":
-        lengths = mask.sum(-1, keepdim=True).clamp(min=1).to(log_rho.dtype)
-        per_sequence = log_rho.sum(-1, keepdim=True) / lengths  # [B, 1]
-        return torch.where(mask, per_sequence.expand_as(log_rho), torch.zeros_like(log_rho))
-    raise ValueError(f"unknown correction_level {level!r}; expected one of: token, sequence")
 
 
 def policy_loss(
@@ -58,18 +22,23 @@ def policy_loss(
     advantages: Tensor,
     mask: Tensor,
     *,
+    loss: str = "ppo",
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     clip_c: float | None = None,
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
     correction: str = "tis",
     correction_level: str = "token",
     correction_cap: float = 2.0,
+    correction_floor: float | None = None,
+    weight_scale: float | Tensor = 1.0,
     aggregation: str = "token-mean",
     num_tokens: float | Tensor | None = None,
     num_sequences: float | Tensor | None = None,
     norm_length: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped PPO surrogate with a behavior correction.  -> (loss, stats)
+    """The ``loss`` surrogate with a behavior correction.  -> (loss, stats)
 
     logprobs [B, T] (with grad: pi_theta), proximal_logprobs [B, T] (pi_prox),
     behavior_logprobs [B, T] (pi_b, as the generator recorded them),
@@ -77,61 +46,71 @@ def policy_loss(
 
     The generator's tokens come from pi_b, which may be several versions old
     (and is numerically a different engine), so the loss weights each token
-    by ``w = correction(pi_prox / pi_b)`` (detached):
+    by ``w = correction(pi_prox / pi_b) / weight_scale`` (detached; see
+    :func:`behavior_weights` for ``correction``, ``correction_level``,
+    ``correction_cap`` and ``correction_floor``). ``weight_scale`` is the
+    batch normaliser the caller computed over the whole batch (the mean w).
 
-    - ``none``: w = 1. Trains off-policy tokens as if on-policy — an ablation;
-    - ``tis``: w = min(rho, C), truncated importance sampling;
-    - ``mis``: w = rho where rho <= C, else 0 (the token drops out of the
-      loss but still counts in the normalizer, which is global);
-    - ``decoupled``: w = rho untruncated, AReaL's decoupled PPO objective.
-      The trainer recomputes ``proximal_logprobs`` with one extra forward pass
-      at the start of the update; with one optimizer step per batch that is
-      simply the current policy, detached.
-
-    ``correction_level="sequence"`` uses one rho per sequence, the geometric
-    mean of its token ratios ``exp(mean_t log rho_t)``, truncated or masked by
-    that value. The clip is asymmetric (``clip_low``, ``clip_high``, DAPO's
-    clip-higher), and ``clip_c`` (> 1) adds the dual clip: for A < 0 the
-    surrogate is at least ``clip_c * A``, so a huge ratio on a bad token cannot
-    blow up the loss. See :func:`aggregate` for ``aggregation`` and the global
-    normalizers. Log-ratios are clamped to +-20 before ``exp``.
+    ``loss`` picks the surrogate (:data:`~.registry.POLICY_LOSSES`): ``ppo`` the
+    clipped ratio with the asymmetric clip (``clip_low``, ``clip_high``) and,
+    with ``clip_c`` (> 1), the dual clip; ``gspo`` the clipped sequence ratio;
+    ``cispo`` a clipped stop-gradient weight on ``-A log pi``; ``sapo`` the soft
+    gate (``sapo_tau_pos``, ``sapo_tau_neg``); ``gmpo`` the geometric mean of
+    the log-clipped token ratios; ``reinforce`` ``-w A log pi``. A knob the
+    surrogate does not read is ignored, except ``clip_c``, which is an error.
+    See :func:`aggregate` for ``aggregation`` and the global normalizers: the
+    configured one applies to every surrogate (verl forces seq-mean-token-mean
+    for gspo and sapo, and a per-sequence mean for gmpo; choose it to match).
 
     Stats (detached, over this call's valid tokens): ``clip_frac`` (the clip
-    removed the gradient), ``dual_clip_frac``, ``importance_weight_mean`` and
+    removed the gradient; cispo: truncated the weight; 0 for sapo and
+    reinforce), ``dual_clip_frac``, ``importance_weight_mean`` and
     ``importance_weight_max`` (rho before correction, at the chosen level),
-    ``importance_truncated_frac`` (rho > C: truncated by tis, masked by mis,
-    and for none/decoupled how many would be), ``importance_applied_mean``
-    (mean w), ``ppo_kl`` (k3 estimate of KL(pi_prox || pi_theta)).
+    ``importance_truncated_frac``, ``importance_applied_mean`` (mean w, after
+    ``weight_scale``), and the others of :func:`behavior_weights`, ``ppo_kl``
+    (k3 estimate of KL(pi_prox || pi_theta)).
     """
-    chosen = CORRECTIONS[correction]
+    surrogate = POLICY_LOSSES[loss]
+    if clip_c is not None and "clip_c" not in surrogate.knobs:
+        users = ", ".join(name for name, entry in POLICY_LOSSES.items() if "clip_c" in entry.knobs)
+        raise ValueError(f"clip_c (the dual clip) is only used by policy_loss: {users}, not {loss}")
     mask = mask.bool()
     zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     advantages = torch.where(mask, advantages.float().detach().expand_as(zeros), zeros)
-
     log_ratio = torch.where(mask, logprobs.float() - proximal_logprobs.float().detach(), zeros)
-    ratio = log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
-    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    unclipped = ratio * advantages
-    clipped = clipped_ratio * advantages
-    surrogate = torch.minimum(unclipped, clipped)
-    if clip_c is not None:
-        if clip_c <= 1.0:
-            raise ValueError(f"clip_c must be > 1, got {clip_c}")
-        floor = clip_c * advantages
-        dual = (advantages < 0) & (floor > surrogate)
-        surrogate = torch.where(dual, floor, surrogate)
-    else:
-        dual = torch.zeros_like(mask)
 
-    log_rho = _behavior_log_ratio(proximal_logprobs, behavior_logprobs, mask, correction_level)
-    rho = log_rho.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
-    over_cap = rho > correction_cap
-    weight = chosen.weight(rho, correction_cap)
+    weight, correction_stats = behavior_weights(
+        proximal_logprobs,
+        behavior_logprobs,
+        mask,
+        correction=correction,
+        level=correction_level,
+        cap=correction_cap,
+        floor=correction_floor,
+    )
+    if isinstance(weight_scale, Tensor) or weight_scale != 1.0:
+        weight = weight / weight_scale
+        correction_stats["importance_applied_mean"] = masked_mean(weight, mask)
 
-    loss = aggregate(
-        -weight * surrogate,
+    knobs = {
+        "clip_low": clip_low,
+        "clip_high": clip_high,
+        "clip_c": clip_c,
+        "sapo_tau_pos": sapo_tau_pos,
+        "sapo_tau_neg": sapo_tau_neg,
+    }
+    result = surrogate.fn(
+        logprobs=torch.where(mask, logprobs.float(), zeros),
+        log_ratio=log_ratio,
+        advantages=advantages,
+        mask=mask,
+        weight=weight,
+        **{knob: knobs[knob] for knob in surrogate.knobs},
+    )
+    value = aggregate(
+        result.losses,
         mask,
         aggregation,
         num_tokens=num_tokens,
@@ -141,12 +120,8 @@ def policy_loss(
     with torch.no_grad():
         lr = log_ratio.detach()
         stats = {
-            "clip_frac": masked_mean((clipped < unclipped).float(), mask),
-            "dual_clip_frac": masked_mean(dual.float(), mask),
-            "importance_weight_mean": masked_mean(rho, mask),
-            "importance_weight_max": torch.where(mask, rho, torch.zeros_like(rho)).amax(),
-            "importance_truncated_frac": masked_mean(over_cap.float(), mask),
-            "importance_applied_mean": masked_mean(weight, mask),
+            "clip_frac": masked_mean(result.clipped.float(), mask),
+            "dual_clip_frac": masked_mean(result.dual_clipped.float(), mask),
             "ppo_kl": masked_mean(torch.expm1(lr.clamp(max=LOG_RATIO_LIMIT)) - lr, mask),
-        }
-    return loss, stats
+        } | correction_stats
+    return value, stats

@@ -2,7 +2,7 @@
 
 The learner never tests an algorithm's name: it looks the configured name up here and
 reads what the entry needs (the critic's values, per-token rewards, a reference model).
-Four registries, one per config key:
+Five registries, one per config key:
 
 =================  ======================  ==============================================
 registry           config key              entry
@@ -11,6 +11,7 @@ registry           config key              entry
 ``CORRECTIONS``    ``algorithm.correction`` :class:`Correction`
 ``AGGREGATIONS``   ``algorithm.aggregation`` :class:`Aggregation`
 ``KL_ESTIMATORS``  ``algorithm.kl_estimator`` :class:`KLEstimator`
+``POLICY_LOSSES``  ``algorithm.policy_loss``  :class:`PolicyLoss`
 =================  ======================  ==============================================
 
 An advantage estimator is registered together with its config class (a subclass of
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -85,16 +86,25 @@ class AdvantageEstimator:
         return {knob: getattr(algorithm, knob) for knob in self.knobs}
 
 
+class CorrectionWeight(Protocol):
+    """A correction's rule: ``w = weight(rho, cap, floor)``, elementwise on detached rho."""
+
+    def __call__(self, rho: Tensor, cap: float, floor: float) -> Tensor: ...
+
+
 @dataclass(frozen=True)
 class Correction:
     """Behavior correction: the token weight ``w`` from ``rho = pi_prox / pi_b``.
 
-    ``weight(rho, cap)`` maps rho [B, T] (detached, at the chosen level) to w [B, T]."""
+    ``weight(rho, cap, floor)`` maps rho [B, T] (detached, at the chosen level) to w [B, T];
+    ``cap`` is C, ``floor`` the lower threshold (``algorithm.correction_floor``, else 1/C)."""
 
     name: str
-    weight: Callable[[Tensor, float], Tensor]
+    weight: CorrectionWeight
     uses_cap: bool
     """Whether ``algorithm.correction_cap`` changes w (it always counts the truncated stat)."""
+    uses_floor: bool = False
+    """Whether ``algorithm.correction_floor`` changes w."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,9 @@ class Aggregation:
 
     name: str
     fn: Callable[..., Tensor]
+    counts_empty_rows: bool = False
+    """Whether ``num_sequences`` counts rows without a valid token (Dr. GRPO's constant
+    normalizer does; the seq-mean modes count the rows with one, as verl)."""
 
 
 @dataclass(frozen=True)
@@ -119,10 +132,27 @@ class KLEstimator:
     non_negative: bool
 
 
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A policy-loss surrogate (:mod:`~.surrogates`) and the knobs it takes.
+
+    ``fn`` is called with the keyword tensors ``logprobs, log_ratio, advantages, mask,
+    weight`` [B, T] (masked, see :mod:`~.surrogates`) and the knobs named in ``knobs``
+    (names of :func:`~.policy_loss.policy_loss`'s parameters and of ``algorithm`` keys),
+    and returns a :class:`~.surrogates.Surrogate`."""
+
+    name: str
+    fn: Callable[..., Any]
+    knobs: tuple[str, ...]
+    """The loss knobs it reads, among ``clip_low, clip_high, clip_c, sapo_tau_pos,
+    sapo_tau_neg``; a knob set for a loss that does not read it is an error."""
+
+
 ADVANTAGES: Registry[AdvantageEstimator] = Registry("advantage")
 CORRECTIONS: Registry[Correction] = Registry("correction")
 AGGREGATIONS: Registry[Aggregation] = Registry("aggregation")
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 
 def register_advantage(
@@ -151,17 +181,21 @@ def register_advantage(
     return wrap
 
 
-def register_correction(name: str, *, uses_cap: bool) -> Callable[[Callable], Callable]:
-    def wrap(fn: Callable) -> Callable:
-        CORRECTIONS.add(name, Correction(name, fn, uses_cap))
+def register_correction(
+    name: str, *, uses_cap: bool, uses_floor: bool = False
+) -> Callable[[CorrectionWeight], CorrectionWeight]:
+    def wrap(fn: CorrectionWeight) -> CorrectionWeight:
+        CORRECTIONS.add(name, Correction(name, fn, uses_cap, uses_floor))
         return fn
 
     return wrap
 
 
-def register_aggregation(name: str) -> Callable[[Callable], Callable]:
+def register_aggregation(
+    name: str, *, counts_empty_rows: bool = False
+) -> Callable[[Callable], Callable]:
     def wrap(fn: Callable) -> Callable:
-        AGGREGATIONS.add(name, Aggregation(name, fn))
+        AGGREGATIONS.add(name, Aggregation(name, fn, counts_empty_rows))
         return fn
 
     return wrap
@@ -172,6 +206,16 @@ def register_kl_estimator(
 ) -> Callable[[Callable], Callable]:
     def wrap(fn: Callable) -> Callable:
         KL_ESTIMATORS.add(name, KLEstimator(name, fn, unbiased, non_negative))
+        return fn
+
+    return wrap
+
+
+def register_policy_loss(name: str, *, knobs: tuple[str, ...]) -> Callable[[Callable], Callable]:
+    """Decorator: file a surrogate under ``name`` (``algorithm.policy_loss``)."""
+
+    def wrap(fn: Callable) -> Callable:
+        POLICY_LOSSES.add(name, PolicyLoss(name, fn, knobs))
         return fn
 
     return wrap

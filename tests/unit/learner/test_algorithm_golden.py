@@ -1,12 +1,12 @@
-"""The RL math and whole learner steps give the same bits as before the algorithm registry.
+"""The RL math and whole learner steps give the same bits as when the fixture was captured.
 
-The expected tensors in ``fixtures/algorithm_golden.pt`` are golden values captured from
-the pre-renovation code (commit 4b2c152, see ``fixtures/make_algorithm_golden.py``),
-not computed by the code under test: every advantage estimator, ``policy_loss`` for each
-correction x level x aggregation x dual clip (with and without global normalizers), the
-value loss, every KL estimator (values and gradients), and two ``Learner.train_step``
-calls of the tiny model for five algorithm configs (every metric, losses and gradient
-norm included, and every weight afterwards).
+The expected tensors in ``fixtures/algorithm_golden.pt`` are golden values captured on
+purpose (see ``fixtures/make_algorithm_golden.py`` for when and how, and what each
+recapture changed), not computed by the code under test: every advantage estimator,
+``policy_loss`` for each correction x level x aggregation x dual clip (with and without
+global normalizers) and each other surrogate, the value loss, every KL estimator (values
+and gradients), and two ``Learner.train_step`` calls of the tiny model for ten algorithm
+configs (every metric, losses and gradient norm included, and every weight afterwards).
 
 Bits depend on the CPU kernels and the torch build as well as on the code, so where the
 platform differs from the recording the comparison falls back to float tolerances.
@@ -61,7 +61,22 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def test_the_fixture_holds_every_estimator_correction_aggregation_and_kl_estimator():
+    from asyncrl.learner.algorithms import (
+        ADVANTAGES,
+        AGGREGATIONS,
+        CORRECTIONS,
+        KL_ESTIMATORS,
+        POLICY_LOSSES,
+    )
+
+    assert set(cases.ADVANTAGE_NAMES) == set(ADVANTAGES)
+    assert set(cases.CORRECTION_NAMES) == set(CORRECTIONS)
+    assert set(cases.AGGREGATION_NAMES) == set(AGGREGATIONS)
+    assert set(cases.KL_NAMES) == set(KL_ESTIMATORS)
+    assert set(cases.LOSS_NAMES) == set(POLICY_LOSSES)
     keys = GOLDEN["math"]
+    for name in cases.LOSS_NAMES[1:]:
+        assert any(key.startswith(f"surrogate/{name}/") for key in keys)
     for name in cases.ADVANTAGE_NAMES:
         assert any(key.startswith(f"advantage/{name}/") for key in keys)
     for correction in cases.CORRECTION_NAMES:

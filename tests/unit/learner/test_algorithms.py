@@ -53,12 +53,13 @@ torch.set_num_threads(1)
 # ------------------------------------------------------------------ advantages
 
 
-def test_grpo_advantage_of_one_group_is_reward_minus_mean_over_population_std():
+def test_grpo_advantage_of_one_group_is_reward_minus_mean_over_unbiased_std():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
     group_ids = torch.tensor([7, 7, 7, 7])
-    # mean = 2/4 = 0.5; population variance = (4 * 0.25) / 4 = 0.25, std = 0.5
-    # (1 - 0.5) / 0.5 = 1, (0 - 0.5) / 0.5 = -1
-    expected = torch.tensor([1.0, -1.0, -1.0, 1.0])
+    # mean = 2/4 = 0.5; unbiased variance (verl) = (4 * 0.25) / 3 = 1/3, std = 0.57735
+    # (1 - 0.5) / (0.57735 + 1e-6) = 0.866024, (0 - 0.5) / ... = -0.866024
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    expected = torch.tensor([a, -a, -a, a])
     advantages = grpo_advantages(rewards, group_ids)
     torch.testing.assert_close(advantages, expected, atol=1e-5, rtol=0)
 
@@ -70,12 +71,13 @@ def test_grpo_is_registered_under_its_config_name():
 
 def test_grpo_normalises_interleaved_groups_independently():
     # group 0 at positions 0, 2, 4: rewards 3, 1, 2 -> mean 2, deviations 1, -1, 0
-    #   population std = sqrt((1 + 1 + 0) / 3) = sqrt(2/3)
-    # group 1 at positions 1, 3: rewards 10, 0 -> mean 5, deviations 5, -5, std 5
+    #   unbiased std = sqrt((1 + 1 + 0) / 2) = 1
+    # group 1 at positions 1, 3: rewards 10, 0 -> mean 5, deviations 5, -5,
+    #   unbiased std = sqrt((25 + 25) / 1) = sqrt(50): 5 / sqrt(50) = 1 / sqrt(2)
     rewards = torch.tensor([3.0, 10.0, 1.0, 0.0, 2.0])
     group_ids = torch.tensor([0, 1, 0, 1, 0])
-    s = math.sqrt(2.0 / 3.0)
-    expected = torch.tensor([1.0 / s, 5.0 / 5.0, -1.0 / s, -5.0 / 5.0, 0.0])
+    h = 1 / math.sqrt(2.0)
+    expected = torch.tensor([1.0, h, -1.0, -h, 0.0])
     advantages = grpo_advantages(rewards, group_ids)
     torch.testing.assert_close(advantages, expected, atol=1e-5, rtol=0)
 
@@ -94,8 +96,9 @@ def test_grpo_gives_a_group_of_one_zero_advantage():
     group_ids = torch.tensor([5, 6, 6])
     advantages = grpo_advantages(rewards, group_ids)
     assert advantages[0].item() == 0.0
-    # group 6: mean 0.5, std 0.5 -> +1, -1
-    torch.testing.assert_close(advantages[1:], torch.tensor([1.0, -1.0]), atol=1e-5, rtol=0)
+    # group 6: mean 0.5, unbiased std sqrt((0.25 + 0.25) / 1) = 1/sqrt(2) -> +-1/sqrt(2)
+    h = 1 / math.sqrt(2.0)
+    torch.testing.assert_close(advantages[1:], torch.tensor([h, -h]), atol=1e-5, rtol=0)
 
 
 def test_grpo_gives_a_group_with_equal_rewards_zero_advantage_and_no_nan():
@@ -327,7 +330,8 @@ def test_every_config_name_has_an_estimator_and_every_estimator_a_config_name():
     assert set(ADVANTAGE_CONFIGS) == set(ADVANTAGES)
     for name, estimator in ADVANTAGES.items():
         assert ADVANTAGE_CONFIGS[name] is estimator.config
-    assert {name for name, e in ADVANTAGES.items() if e.per_sample} == {"grpo", "dr_grpo", "rloo"}
+    per_sample = {name for name, e in ADVANTAGES.items() if e.per_sample}
+    assert per_sample == {"grpo", "dr_grpo", "rloo", "grpo_passk"}
     assert set(CORRECTIONS) == set(
         typing.get_args(AlgorithmConfig.model_fields["correction"].annotation)
     )
@@ -383,12 +387,14 @@ def test_grpo_equal_rewards_that_do_not_average_exactly_still_give_exact_zero():
 
 
 def test_compute_advantages_broadcasts_outcome_advantages_to_valid_tokens_only():
-    # one group [1, 0] -> grpo +1, -1; sample 0 has 2 valid tokens, sample 1 has 1
+    # one group [1, 0] -> grpo +-0.5 / (unbiased std 1/sqrt(2)) = +-1/sqrt(2);
+    # sample 0 has 2 valid tokens, sample 1 has 1
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     advantages, returns = compute_advantages(
         "grpo", rewards=torch.tensor([1.0, 0.0]), group_ids=torch.tensor([3, 3]), mask=mask
     )
-    close(advantages, [[1.0, 1.0, 0.0], [-1.0, 0.0, 0.0]])
+    h = 1 / math.sqrt(2.0)
+    close(advantages, [[h, h, 0.0], [-h, 0.0, 0.0]])
     assert advantages.dtype == torch.float32
     assert returns is None
 
@@ -452,20 +458,20 @@ def test_reinforce_pp_discounts_over_valid_tokens_then_whitens_over_the_batch():
     # gamma 0.5. row 0 rewards [0, 0, 4] -> returns [0 + 0.5 * 2, 0 + 0.5 * 4, 4] = [1, 2, 4]
     # row 1 rewards [2, (99 masked), 4] -> the hole is skipped: [2 + 0.5 * 4, -, 4] = [4, -, 4]
     # valid returns {1, 2, 4, 4, 4}: mean 3, deviations -2, -1, 1, 1, 1,
-    # population variance (4 + 1 + 1 + 1 + 1) / 5 = 1.6
+    # unbiased variance (verl's masked_whiten) (4 + 1 + 1 + 1 + 1) / 4 = 2
     token_rewards = torch.tensor([[0.0, 0.0, 4.0], [2.0, 99.0, 4.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 1]])
-    s = math.sqrt(1.6)
+    s = math.sqrt(2.0)
     expected = [[-2 / s, -1 / s, 1 / s], [1 / s, 0.0, 1 / s]]
     close(reinforce_pp_advantages(token_rewards, mask, gamma=0.5), expected)
 
 
 def test_reinforce_pp_without_discount_sums_future_rewards():
     # gamma 1. row 0 rewards [0, 1, 2] -> [3, 3, 2]; row 1 [0, (9), 1] -> [1, -, 1]
-    # {3, 3, 2, 1, 1}: mean 2, deviations 1, 1, 0, -1, -1, variance 4/5
+    # {3, 3, 2, 1, 1}: mean 2, deviations 1, 1, 0, -1, -1, unbiased variance 4/4 = 1
     token_rewards = torch.tensor([[0.0, 1.0, 2.0], [0.0, 9.0, 1.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 1]])
-    s = math.sqrt(0.8)
+    s = 1.0
     expected = [[1 / s, 1 / s, 0.0], [-1 / s, 0.0, -1 / s]]
     advantages, returns = compute_advantages(
         "reinforce_pp",
@@ -480,12 +486,12 @@ def test_reinforce_pp_without_discount_sums_future_rewards():
 
 def test_reinforce_pp_from_scalar_rewards_places_them_on_the_last_token():
     # rewards 1 and 0, gamma 1: returns row 0 [1, 1], row 1 [0, -]; {1, 1, 0}
-    # mean 2/3, deviations 1/3, 1/3, -2/3, variance (1/9 + 1/9 + 4/9) / 3 = 2/9
+    # mean 2/3, deviations 1/3, 1/3, -2/3, unbiased variance (1/9 + 1/9 + 4/9) / 2 = 1/3
     mask = torch.tensor([[1, 1], [1, 0]])
     advantages, _ = compute_advantages(
         "reinforce_pp", rewards=torch.tensor([1.0, 0.0]), group_ids=torch.arange(2), mask=mask
     )
-    s = math.sqrt(2 / 9)
+    s = math.sqrt(1 / 3)
     close(advantages, [[1 / 3 / s, 1 / 3 / s], [-2 / 3 / s, 0.0]])
 
 
@@ -495,12 +501,13 @@ def test_reinforce_pp_from_scalar_rewards_places_them_on_the_last_token():
 def test_gae_without_discount_is_the_return_minus_the_value_then_whitened():
     # gamma = lam = 1: A_t = sum of future rewards - V_t. rewards [0, 0, 1], V [0.2, 0.4, 0.6]
     # -> raw A [0.8, 0.6, 0.4], returns A + V = [1, 1, 1]
-    # whitened: mean 0.6, deviations 0.2, 0, -0.2, std 0.2 * sqrt(2/3) -> +-sqrt(1.5), 0
+    # whitened: mean 0.6, deviations 0.2, 0, -0.2, unbiased variance 0.08 / 2 = 0.04,
+    # std 0.2 -> [1, 0, -1]
     token_rewards = torch.tensor([[0.0, 0.0, 1.0]])
     values = torch.tensor([[0.2, 0.4, 0.6]])
     advantages, returns = gae_advantages(token_rewards, values, torch.ones(1, 3))
     close(returns, [[1.0, 1.0, 1.0]])
-    close(advantages, [[math.sqrt(1.5), 0.0, -math.sqrt(1.5)]])
+    close(advantages, [[1.0, 0.0, -1.0]])
 
 
 def test_gae_with_gamma_and_lambda_follows_the_recursion():
@@ -509,7 +516,8 @@ def test_gae_with_gamma_and_lambda_follows_the_recursion():
     # delta_1 = 0 + 0.5 * 0.6 - 0.4 = -0.1     A_1 = -0.1 + 0.25 * 0.4 = 0
     # delta_0 = 0 + 0.5 * 0.4 - 0.2 = 0        A_0 = 0 + 0.25 * 0 = 0
     # returns = A + V = [0.2, 0.4, 1.0]; whitening {0, 0, 0.4}: deviations -a, -a, 2a with
-    # a = 0.4/3, std = a * sqrt((1 + 1 + 4) / 3) = a * sqrt(2) -> [-1/sqrt2, -1/sqrt2, sqrt2]
+    # a = 0.4/3, unbiased std = a * sqrt((1 + 1 + 4) / 2) = a * sqrt(3)
+    # -> [-1/sqrt3, -1/sqrt3, 2/sqrt3]
     advantages, returns = compute_advantages(
         "gae",
         rewards=torch.tensor([1.0]),  # placed on the last token
@@ -520,15 +528,16 @@ def test_gae_with_gamma_and_lambda_follows_the_recursion():
         lam=0.5,
     )
     close(returns, [[0.2, 0.4, 1.0]])
-    r2 = math.sqrt(2.0)
-    close(advantages, [[-1 / r2, -1 / r2, r2]])
+    r3 = math.sqrt(3.0)
+    close(advantages, [[-1 / r3, -1 / r3, 2 / r3]])
 
 
 def test_gae_skips_masked_positions_inside_a_row():
     # mask [1, 0, 1]: the value after t = 0 is V_2, not the masked V_1 = 99
     # gamma = lam = 0.5: delta_2 = 1 - 0.6 = 0.4, A_2 = 0.4
     # delta_0 = 0 + 0.5 * 0.6 - 0.2 = 0.1, A_0 = 0.1 + 0.25 * 0.4 = 0.2
-    # returns [0.4, 0, 1.0]; whitening {0.2, 0.4}: mean 0.3, std 0.1 -> [-1, 0, 1]
+    # returns [0.4, 0, 1.0]; whitening {0.2, 0.4}: mean 0.3, unbiased std
+    # sqrt((0.01 + 0.01) / 1) = 0.1 * sqrt(2) -> [-1/sqrt2, 0, 1/sqrt2]
     advantages, returns = gae_advantages(
         torch.tensor([[0.0, 9.0, 1.0]]),
         torch.tensor([[0.2, 99.0, 0.6]]),
@@ -537,7 +546,8 @@ def test_gae_skips_masked_positions_inside_a_row():
         lam=0.5,
     )
     close(returns, [[0.4, 0.0, 1.0]])
-    close(advantages, [[-1.0, 0.0, 1.0]], atol=1e-4)
+    h = 1 / math.sqrt(2.0)
+    close(advantages, [[-h, 0.0, h]], atol=1e-4)
 
 
 def test_gae_needs_values():
@@ -657,8 +667,8 @@ def test_aggregate_uses_the_global_normalizers_it_is_given():
 def test_seq_mean_token_mean_counts_a_row_without_tokens_as_zero_and_one_token_as_itself():
     values = torch.tensor([[1.0, 2.0], [9.0, 9.0], [0.0, 6.0]])
     mask = torch.tensor([[1, 1], [0, 0], [0, 1]])
-    # (mean(1, 2) + 0 + 6) / 3 rows = 7.5 / 3
-    assert aggregate(values, mask, "seq-mean-token-mean").item() == pytest.approx(2.5)
+    # (mean(1, 2) + 0 + 6) / 2 rows with a valid token (as verl) = 7.5 / 2
+    assert aggregate(values, mask, "seq-mean-token-mean").item() == pytest.approx(3.75)
 
 
 @pytest.mark.parametrize("mode", AGGREGATIONS)
@@ -702,7 +712,10 @@ def test_micro_batches_with_global_normalizers_sum_to_the_full_batch_loss_and_gr
 ):
     base, proximal, behavior, advantages, mask = _off_policy_batch()
     B, T = mask.shape
-    globals_ = {"num_tokens": mask.sum().item(), "num_sequences": B, "norm_length": T}
+    # the seq-mean modes count the rows with a valid token (5 of 6, as verl); Dr. GRPO's
+    # constant normalizer counts every row
+    sequences = B if mode == "seq-mean-token-sum-norm" else int(mask.any(-1).sum())
+    globals_ = {"num_tokens": mask.sum().item(), "num_sequences": sequences, "norm_length": T}
     kwargs = {
         "clip_c": 3.0,
         "correction": correction,
@@ -892,7 +905,7 @@ def _sequence_level_batch():
         ("none", -(1 + 1 + 1 + 1 + 1) / 5),
     ],
 )
-def test_sequence_level_correction_uses_the_geometric_mean_of_the_valid_tokens(
+def test_geometric_level_correction_uses_the_geometric_mean_of_the_valid_tokens(
     correction, expected_loss
 ):
     logprobs, proximal, behavior, advantages, mask = _sequence_level_batch()
@@ -903,7 +916,7 @@ def test_sequence_level_correction_uses_the_geometric_mean_of_the_valid_tokens(
         advantages,
         mask,
         correction=correction,
-        correction_level="sequence",
+        correction_level="geometric",
         correction_cap=2.0,
     )
     assert loss.item() == pytest.approx(expected_loss, abs=1e-5)
@@ -940,7 +953,7 @@ def test_a_row_with_one_valid_token_under_every_aggregation():
 
 @pytest.mark.parametrize("mode", AGGREGATIONS)
 @pytest.mark.parametrize("correction", CORRECTIONS)
-@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
 def test_all_masked_gives_zero_loss_finite_grads_and_finite_stats(mode, correction, level):
     logprobs = torch.tensor([[-0.5, -1.0], [-2.0, -60.0]], requires_grad=True)
     proximal = torch.tensor([[-90.0, 0.0], [-1.0, 0.0]])  # wild values at masked positions
@@ -1088,7 +1101,8 @@ def test_an_unknown_kl_estimator_raises_value_error():
 
 def test_kl_in_the_reward_flows_into_reinforce_pp_returns():
     # reward 1 on the last of 2 tokens, k1 = 0.5 per token, kl_coef 0.2 -> [-0.1, 0.9]
-    # gamma 1 returns: [0.8, 0.9]; whitened: mean 0.85, deviations -+0.05, std 0.05 -> [-1, 1]
+    # gamma 1 returns: [0.8, 0.9]; whitened: mean 0.85, deviations -+0.05,
+    # unbiased std sqrt(2 * 0.0025 / 1) = 0.05 * sqrt(2) -> [-1/sqrt2, 1/sqrt2]
     mask = torch.ones(1, 2)
     kl = kl_estimate(torch.full((1, 2), -1.0), torch.full((1, 2), -1.5), "k1")
     token_rewards = token_level_rewards(torch.tensor([1.0]), mask, kl=kl, kl_coef=0.2)
@@ -1100,7 +1114,8 @@ def test_kl_in_the_reward_flows_into_reinforce_pp_returns():
         mask=mask,
         token_rewards=token_rewards,
     )
-    close(advantages, [[-1.0, 1.0]], atol=1e-4)
+    h = 1 / math.sqrt(2.0)
+    close(advantages, [[-h, h]], atol=1e-4)
 
 
 # -------------------------------------------------------------------- entropy

@@ -88,10 +88,12 @@ def test_every_estimator_gives_finite_token_advantages_zero_where_masked(name):
 @pytest.mark.parametrize("name", list(CORRECTIONS))
 def test_every_correction_weights_each_token_finitely_and_not_negatively(name):
     rho = torch.tensor([[0.0, 0.5, 1.0, 2.0, 5.0]])
-    weight = CORRECTIONS[name].weight(rho, 2.0)
+    weight = CORRECTIONS[name].weight(rho, 2.0, 0.5)
     assert weight.shape == rho.shape and torch.isfinite(weight).all() and (weight >= 0).all()
     if not CORRECTIONS[name].uses_cap:
-        assert torch.equal(weight, CORRECTIONS[name].weight(rho, 100.0))
+        assert torch.equal(weight, CORRECTIONS[name].weight(rho, 100.0, 0.5))
+    if not CORRECTIONS[name].uses_floor:
+        assert torch.equal(weight, CORRECTIONS[name].weight(rho, 2.0, 0.01))
     x = small_batch()
     logprobs = x["logprobs"].clone().requires_grad_(True)
     loss, stats = policy_loss(
