@@ -61,6 +61,24 @@ def machine_info() -> dict[str, object]:
     }
 
 
+def git_commit() -> str:
+    """The checkout's commit (with ``+dirty`` when it has uncommitted changes): which code
+    a result was measured on."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
 def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 

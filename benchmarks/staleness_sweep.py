@@ -1,11 +1,14 @@
-"""Learning against staleness: buffer.max_staleness x algorithm.correction x seeds.
+"""Learning against staleness: buffer.max_staleness x correction variant x seeds.
 
     nice .venv/bin/python benchmarks/staleness_sweep.py           # 45 launches, ~30 minutes
+    .venv/bin/python benchmarks/staleness_sweep.py --staleness 0 4 8 \
+        --corrections tis icepop seq-tis m2po --out docs/benchmarks/staleness_corrections.json
     .venv/bin/python benchmarks/staleness_sweep.py --quick         # 2 launches, a smoke test
     .venv/bin/python benchmarks/staleness_sweep.py --plot-only     # redraw from the JSON
 
 Every launch is ``asyncrl launch CONFIG`` with the sweep's shared overrides plus
-``buffer.max_staleness=K algorithm.correction=C run.seed=S``. Weights are
+``buffer.max_staleness=K run.seed=S`` and the overrides of the correction variant
+(:data:`VARIANTS`: a name for one or more ``algorithm.*`` settings). Weights are
 published every version (``learner.sync_interval=1``) and two generator
 replicas outpace the learner, so the batch's staleness comes from how far
 ahead admission control lets them run (up to K batches); the staleness each
@@ -44,7 +47,25 @@ SHARED = [
 """The quickstart made short: 128 samples per step at twice its learning rate."""
 SMOOTH = 10
 """Steps in the trailing mean of the reward used for curves and targets."""
-CORRECTION_COLORS = {"none": "tab:red", "tis": "tab:blue", "decoupled": "tab:green"}
+VARIANTS: dict[str, list[str]] = {
+    "none": ["algorithm.correction=none"],
+    "tis": ["algorithm.correction=tis"],
+    "decoupled": ["algorithm.correction=decoupled"],
+    "icepop": ["algorithm.correction=icepop"],
+    "seq-tis": ["algorithm.correction=tis", "algorithm.correction_level=sequence"],
+    "geo-tis": ["algorithm.correction=tis", "algorithm.correction_level=geometric"],
+    "m2po": ["algorithm.correction=tis", "algorithm.m2po_threshold=0.04"],
+}
+"""Correction variants by name: the behavior weight and what else corrects stale tokens."""
+CORRECTION_COLORS = {
+    "none": "tab:red",
+    "tis": "tab:blue",
+    "decoupled": "tab:green",
+    "icepop": "tab:orange",
+    "seq-tis": "tab:purple",
+    "geo-tis": "tab:brown",
+    "m2po": "tab:cyan",
+}
 
 
 def run_key(staleness: int, correction: str, seed: int) -> str:
@@ -57,7 +78,7 @@ def run_once(args: argparse.Namespace, staleness: int, correction: str, seed: in
         f"run.total_steps={args.steps}",
         *args.set,
         f"buffer.max_staleness={staleness}",
-        f"algorithm.correction={correction}",
+        *VARIANTS[correction],
         f"run.seed={seed}",
     ]
     run_dir = args.work_dir / run_key(staleness, correction, seed)
@@ -68,6 +89,8 @@ def run_once(args: argparse.Namespace, staleness: int, correction: str, seed: in
         "key": run_key(staleness, correction, seed),
         "staleness": staleness,
         "correction": correction,
+        "overrides": VARIANTS[correction],
+        "code": common.git_commit(),
         "seed": seed,
         "launch_s": round(result.seconds, 2),
         "loadavg_1min": list(result.loadavg),
@@ -146,7 +169,9 @@ def band(ax, xs: list[float], ys: list[float], errs: list[float], color, alpha: 
     ax.fill_between(xs, low, high, color=color, alpha=alpha, linewidth=0)
 
 
-def plot(runs: list[dict], out_dir: Path, title: str) -> list[Path]:
+def plot(runs: list[dict], out: Path, title: str) -> list[Path]:
+    """The PNGs beside ``out``, named after its stem (``staleness_sweep_samples.png`` ...)."""
+    out_dir, stem = out.parent, out.stem
     try:
         import matplotlib
     except ImportError as error:
@@ -155,15 +180,13 @@ def plot(runs: list[dict], out_dir: Path, title: str) -> list[Path]:
     import matplotlib.pyplot as plt
 
     ks = sorted({r["staleness"] for r in runs})
-    corrections = [
-        c for c in ("none", "tis", "decoupled") if any(r["correction"] == c for r in runs)
-    ]
+    corrections = [c for c in VARIANTS if any(r["correction"] == c for r in runs)]
     colors = plt.get_cmap("viridis")
     color = {k: colors(i / max(1, len(ks) - 1) * 0.9) for i, k in enumerate(ks)}
     written = []
     for x, label, name in (
-        ("samples", "samples trained on", "staleness_sweep_samples.png"),
-        ("time_s", "seconds since the learner started", "staleness_sweep_time.png"),
+        ("samples", "samples trained on", f"{stem}_samples.png"),
+        ("time_s", "seconds since the learner started", f"{stem}_time.png"),
     ):
         fig, axes = plt.subplots(
             1, len(corrections), figsize=(5 * len(corrections), 4), sharey=True
@@ -213,7 +236,7 @@ def plot(runs: list[dict], out_dir: Path, title: str) -> list[Path]:
         axes[0].set_ylabel(f"reward (trailing mean of {SMOOTH} steps)")
         fig.suptitle(title, fontsize=10)
         fig.tight_layout()
-        written.append(out_dir / "staleness_sweep_corrections.png")
+        written.append(out_dir / f"{stem}_corrections.png")
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
     return written
@@ -250,7 +273,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=common.REPO / "configs/quickstart.yaml")
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4, 8])
-    parser.add_argument("--corrections", nargs="+", default=["none", "tis", "decoupled"])
+    parser.add_argument(
+        "--corrections", nargs="+", choices=list(VARIANTS), default=["none", "tis", "decoupled"]
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--steps", type=int, default=300, help="run.total_steps of each launch")
     parser.add_argument("--targets", type=float, nargs="+", default=[0.5, 0.8])
@@ -309,7 +334,7 @@ def main() -> None:
     report["table"] = table(report["runs"], args.targets)
     args.out.write_text(json.dumps(report) + "\n")
     title = textwrap.fill(" ".join(report["settings"]["shared_overrides"]), 90)
-    for path in plot(report["runs"], args.out.parent, title):
+    for path in plot(report["runs"], args.out, title):
         print(f"wrote {path}")
     print_table(report["table"], args.targets)
 
