@@ -34,6 +34,7 @@ from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.loading import config_from_dict, load_config, save_config
 from asyncrl.config.run import ModelConfig, RunConfig, TinyModelConfig, TrackingConfig
 from asyncrl.config.schema import Config, config_warnings
+from asyncrl.config.weights import WeightsConfig
 from asyncrl.machine import machine_problems
 from asyncrl.yaml_files import MAX_CONFIG_BYTES
 
@@ -66,6 +67,7 @@ __all__ = [
     "TaskConfig",
     "TinyModelConfig",
     "TrackingConfig",
+    "WeightsConfig",
     "config_from_dict",
     "config_warnings",
     "load_config",

@@ -12,6 +12,7 @@ from asyncrl.config.data import DataConfig, EvalConfig, RewardConfig, TaskConfig
 from asyncrl.config.generators import GeneratorsConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.run import ModelConfig, RunConfig, TrackingConfig
+from asyncrl.config.weights import WeightsConfig
 from asyncrl.envs.config import EnvironmentConfig
 
 
@@ -28,6 +29,7 @@ class Config(Section):
     generators: GeneratorsConfig = GeneratorsConfig()
     tracking: TrackingConfig = TrackingConfig()
     cluster: ClusterConfig = ClusterConfig()
+    weights: WeightsConfig = WeightsConfig()
     environment: EnvironmentConfig | None = None
     """Multi-turn episodes (tool calling); unset: one model turn per sample."""
 
