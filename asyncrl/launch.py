@@ -80,7 +80,14 @@ def resolve_ports(config: Config) -> Config:
         "buffer_port": cluster.buffer_port or free_port(cluster.bind_address),
         "weights_port": cluster.weights_port or free_port(cluster.bind_address),
     }
-    return config.model_copy(update={"cluster": cluster.model_copy(update=updates)})
+    config = config.model_copy(update={"cluster": cluster.model_copy(update=updates)})
+    weights = config.weights
+    if weights.transport == "collective" and not weights.group_port:
+        group_port = free_port(cluster.bind_address)
+        config = config.model_copy(
+            update={"weights": weights.model_copy(update={"group_port": group_port})}
+        )
+    return config
 
 
 def launch(

@@ -100,6 +100,15 @@ REPLICA_STATS = frozenset(
         "chunks",
         "chunk_s_max",
         "restarts",
+        # the weight-sync chain's (generators/weight_sync.py, STAT_NAMES)
+        "weights_transfer_failures",
+        "weights_deadline_missed",
+        "weights_fallbacks",
+        *(
+            f"weights_{what}_{path}"
+            for what in ("loads", "failures")
+            for path in ("collective", "shm", "zmq")
+        ),
     }
 )
 """The counters a replica sends with its samples (``GeneratorReplica.stats``); its

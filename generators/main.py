@@ -31,6 +31,7 @@ from asyncrl.paths import replica_name
 from asyncrl.security import GENERATOR, client_context
 from asyncrl.stop_signals import ROLE_SIGNALS, StopSignals
 from asyncrl.transport import RequestClient, tcp
+from asyncrl.weights.collective_receiver import replica_source
 
 log = logging.getLogger("asyncrl.generator")
 
@@ -90,6 +91,8 @@ def run(
         work_dir,
         seed=config.run.seed * 1000 + replica_index + 1 + 7919 * restarts,
         restarts=restarts,
+        run_dir=run_dir,  # the learner's: shared-memory weights when on its host
+        learner_host=cluster.host,
     )
 
 
@@ -108,6 +111,7 @@ def join(config: Config, buffer_endpoint: str, pool: str, work_dir: Path) -> Non
         lambda joined: tcp(host, joined.weights_port),
         work_dir / name,
         seed=config.run.seed * 1000 + os.getpid(),
+        learner_host=host,  # the collective path needs weights.group_port set in its config
     )
 
 
@@ -121,9 +125,14 @@ def serve(
     *,
     seed: int,
     restarts: int = 0,
+    run_dir: Path | None = None,
+    learner_host: str | None = None,
 ) -> None:
     """Build the backend, join the run at ``buffer_endpoint``, generate until stopped,
-    then leave (so the buffer hands this replica's unfinished groups out at once)."""
+    then leave (so the buffer hands this replica's unfinished groups out at once).
+    ``run_dir``: the learner's run dir (None for a replica joined by hand: no shm path);
+    ``learner_host``: where the collective path's group is (with ``weights.transport:
+    collective``)."""
     config = pool_config(config, pool)
     torch.set_num_threads(config.generators.num_threads)
     model, tokenizer = build_policy(config.model, config.run.seed)
@@ -160,9 +169,11 @@ def serve(
                 reply_timeout_s=config.buffer.heartbeat_timeout_s,
                 incarnation=incarnation,
             ).start()
+            collective = replica_source(config, name, learner_host) if learner_host else None
             replica = GeneratorReplica(
-                config, name, backend, context, pool, buffer, weights_endpoint(joined), incarnation
-            )
+                config, name, backend, context, pool, buffer, weights_endpoint(joined), incarnation,
+                run_dir=run_dir, collective=collective,
+            )  # fmt: skip
             # 1 on a restarted replica (a new id each time): summed over ids, the restart count
             replica.stats["restarts"] = int(restarts > 0)
             replica.stopping = signals()

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import itertools
 import logging
 import os
@@ -166,6 +167,10 @@ class VLLMBackend:
         self.last_load_s = 0.0
         self.parameter_names = set(parameter_names)
         self.tied = tied
+        # weights.transport=collective: engines.py names vllm_weight_sync's extension
+        self._extension = engine_kwargs.pop(
+            "worker_extension_cls", f"{__name__}.WeightLoaderExtension"
+        )
         self._request_ids = itertools.count()
         self._lock = threading.Lock()
         self._running: dict[int, str] = {}  # id(rollout) -> request id, for the chunk running
@@ -180,10 +185,11 @@ class VLLMBackend:
             max_model_len=max_model_len,
             logprobs_mode="processed_logprobs",
             generation_config="vllm",
-            worker_extension_cls=f"{__name__}.WeightLoaderExtension",
+            worker_extension_cls=self._extension,
             **engine_kwargs,
         )
         self.engine = self.llm.llm_engine
+        self._in_place = None
 
     @classmethod
     def from_model(
@@ -340,6 +346,16 @@ class VLLMBackend:
                 path.unlink(missing_ok=True)
         if loaded != len(tensors):
             raise RuntimeError(f"the vLLM worker read {loaded} of {len(tensors)} tensors")
+
+    @property
+    def in_place_weights(self):
+        """The collective path's route into the workers: ``VLLMInPlace`` of the module of the
+        extension the engine runs (``generators/vllm_weight_sync.py``, which imports this
+        one); None with the default extension."""
+        if self._in_place is None and self._extension.endswith(".CollectiveWeightExtension"):
+            module = importlib.import_module(self._extension.rpartition(".")[0])
+            self._in_place = module.VLLMInPlace(self)
+        return self._in_place
 
     def _reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():

@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, wait
+from pathlib import Path
 
 import numpy as np
 import zmq
@@ -46,6 +47,7 @@ from asyncrl import progress
 from asyncrl.config import Config
 from asyncrl.generators.backend import Backend, Rollout
 from asyncrl.generators.episodes import Episodes
+from asyncrl.generators.weight_sync import WeightSync
 from asyncrl.messages import (
     NOT_EVAL,
     Ack,
@@ -60,6 +62,9 @@ from asyncrl.trajectory import build_columns
 from asyncrl.transport import RequestClient
 from asyncrl.waiting import Waited, wait_with_stop
 from asyncrl.weights import WeightClient
+from asyncrl.weights.paths import replica_sources
+from asyncrl.weights.source import WeightSource
+from asyncrl.weights.zmq_source import ZmqSource
 
 log = logging.getLogger("asyncrl.generator")
 
@@ -111,7 +116,12 @@ class GeneratorReplica:
         buffer: RequestClient,
         weights_endpoint: str,
         incarnation: int = 0,
+        *,
+        run_dir: Path | None = None,
+        collective: WeightSource | None = None,
     ):
+        """``run_dir``: the learner's, where a replica on its host finds the shared-memory
+        weights; ``collective``: the broadcast path's source, when one is configured."""
         self.config = config
         self.generator_id = generator_id
         self.incarnation = incarnation
@@ -119,7 +129,14 @@ class GeneratorReplica:
         self.pool = pool
         self.backend = backend
         self.buffer = buffer
-        self.weights = WeightClient(context, weights_endpoint, on_wait=waiting_for_weights)
+        self.zmq_source = ZmqSource(
+            WeightClient(context, weights_endpoint, on_wait=waiting_for_weights)
+        )
+        self.weight_sync = WeightSync(
+            replica_sources(config, run_dir, self.zmq_source, collective),
+            config.weights.deadline_s,
+            generator_id,
+        )
         self.active: list[Rollout] = []
         self.stopping = False
         self.stats = {"samples_sent": 0, "weight_swaps": 0, "weight_swap_latency_s": 0.0}
@@ -151,6 +168,15 @@ class GeneratorReplica:
                 scorer=self.scorer,
                 max_prompt_tokens=config.data.max_prompt_tokens,
             )
+
+    @property
+    def weights(self):
+        """The ZeroMQ client (the path every chain ends with)."""
+        return self.zmq_source.client
+
+    @weights.setter
+    def weights(self, client) -> None:
+        self.zmq_source.client = client
 
     def run_loop(self) -> None:
         retry_after = 0.0
@@ -207,6 +233,7 @@ class GeneratorReplica:
     def close(self) -> None:
         """Leave the run, then stop the reward workers and the environments' threads."""
         self.leave()
+        self.weight_sync.close()
         self.scorer.close()
         if self.episodes is not None:
             self.episodes.close()
@@ -321,17 +348,21 @@ class GeneratorReplica:
         return reply.value
 
     def sync_weights(self) -> None:
-        update = self.weights.fetch_newer(self.backend.version)
-        if update is None:
+        """Load newer weights over the first path of the chain that works
+        (:mod:`asyncrl.generators.weight_sync`); raises when every path failed."""
+        try:
+            loaded = self.weight_sync.sync(self.backend)
+        finally:
+            self.stats.update(self.weight_sync.stats())
+        if loaded is None:
             return
-        version, published_at, state_dict = update
-        self.backend.load_weights(state_dict, version)
         self.stats["weight_swaps"] += 1
-        self.stats["weight_swap_latency_s"] = time.time() - published_at
+        self.stats["weight_swap_latency_s"] = time.time() - loaded.published_at
         self.stats["weight_load_s"] = self.backend.last_load_s
         log.info(
-            "loaded weights v%d (%.3fs after publish; loading into the engine took %.3fs)",
-            version,
+            "loaded weights v%d over %s (%.3fs after publish; loading into the engine took %.3fs)",
+            loaded.version,
+            loaded.path,
             self.stats["weight_swap_latency_s"],
             self.backend.last_load_s,
         )

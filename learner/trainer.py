@@ -75,6 +75,7 @@ from asyncrl.stop_signals import ROLE_SIGNALS, StopSignals
 from asyncrl.tracking import RecordWriteError
 from asyncrl.transport import tcp
 from asyncrl.weights import WeightPublisher
+from asyncrl.weights.paths import learner_sink
 
 log = logging.getLogger("asyncrl.learner")
 
@@ -169,7 +170,8 @@ def _parts(
     cluster = config.cluster
     context = client_context(cluster, LEARNER)
     cleanup.callback(context.destroy, linger=0)
-    weights = WeightPublisher(tcp(cluster.bind_address, cluster.weights_port), cluster=cluster)
+    zmq = WeightPublisher(tcp(cluster.bind_address, cluster.weights_port), cluster=cluster)
+    weights = learner_sink(config, run_dir, zmq)  # zmq alone, or shared memory feeding it
     cleanup.callback(weights.close)
     buffer = BufferClient(
         context,

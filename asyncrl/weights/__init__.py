@@ -1,10 +1,15 @@
-"""Versioned weights from the learner to the generators, in chunks.
+"""Versioned weights from the learner to the generators, by three paths.
 
 The learner publishes each ``sync_interval``-th version with
 :meth:`WeightPublisher.publish`, which copies the tensors into a host snapshot
 (the learner's only stall) and serves them from a thread; each generator's
 :class:`WeightClient` pulls the versions newer than the one it holds, chunk by
-chunk, and checks every chunk before using it.
+chunk, and checks every chunk before using it. With ``weights.transport: shm``
+the learner writes each version once into a shared-memory segment that replicas on
+its host load in place; with ``collective``, learner rank 0 broadcasts the snapshot
+into each replica's engine over a pairwise gloo (NCCL on CUDA) group. A replica tries
+its configured path first and falls back down the chain to ZeroMQ
+(``asyncrl.generators.weight_sync``), each transfer under ``weights.deadline_s``.
 
 One job per module::
 
@@ -14,6 +19,18 @@ One job per module::
     zmq_peers.py    per-peer flow control of chunk requests
     zmq_limits.py   what serving may cost the learner: sizes, queues, heartbeats
     zmq_client.py   WeightClient: fetch with a window, check, restart, rebuild
+    source.py       WeightSource: one path as a replica sees it; WeightTransferError
+    zmq_source.py   ZmqSource: the ZeroMQ pull as a path, under a deadline
+    shm.py          the shared-memory segment: layout, name, checks
+    shm_writer.py   ShmWriter: each version written once into the segment
+    shm_reader.py   ShmSource: a replica loads the newest complete slot in place
+    shm_publisher.py ShmPublisher: the learner's sink, shm first, zmq fed from it
+    paths.py        which paths a run uses: a replica's chain, the learner's sink
+    collective.py   the weight-update groups: store, pairwise gloo/NCCL group, timeouts
+    collective_buckets.py  buckets, signed offers and asks, and the checks of an offer
+    collective_sender.py   CollectiveSender: learner rank 0 broadcasts to each member
+    collective_receiver.py CollectiveSource: a replica joins and receives into staging
+    cuda_ipc.py     CUDA IPC handles for colocated GPUs (written; never run: no GPU here)
 
 ``layout`` and ``snapshot`` know nothing of ZeroMQ: another path (shared memory
 on one host, a collective across GPUs) serves the same snapshots from a module
@@ -21,6 +38,7 @@ of its own beside ``zmq_server``.
 """
 
 from asyncrl.weights.layout import DEFAULT_CHUNK_BYTES, TORCH_DTYPES, chunk_pieces
+from asyncrl.weights.source import Loaded, PathUnavailable, WeightSource, WeightTransferError
 from asyncrl.weights.zmq_client import SLOW_REPLY_MS, WeightClient
 from asyncrl.weights.zmq_limits import MAX_WINDOW, PEER_MAX_CHUNKS
 from asyncrl.weights.zmq_server import WeightPublisher
@@ -31,7 +49,11 @@ __all__ = [
     "PEER_MAX_CHUNKS",
     "SLOW_REPLY_MS",
     "TORCH_DTYPES",
+    "Loaded",
+    "PathUnavailable",
     "WeightClient",
     "WeightPublisher",
+    "WeightSource",
+    "WeightTransferError",
     "chunk_pieces",
 ]

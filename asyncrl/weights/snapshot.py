@@ -59,6 +59,7 @@ class Snapshot:
         chunk_bytes: int,
     ):
         self.version = version
+        self.published_at = published_at
         self.tensors = tensors
         self.buffers = buffers
         self.pieces = chunk_pieces(tensors, chunk_bytes)

@@ -18,6 +18,8 @@ answered ``WeightsGone``: the client starts over with the newest
 from __future__ import annotations
 
 import logging
+import math
+import time
 import zlib
 from collections import Counter
 from collections.abc import Callable
@@ -168,6 +170,9 @@ class WeightClient:
         """Called once when a reply takes over :data:`SLOW_REPLY_MS`: the caller says it is
         waiting on the publisher (the learner), so a frozen learner is not its stall."""
         self._buffers: list[torch.Tensor] | None = None
+        self.deadline: float | None = None
+        """A ``time.monotonic()`` instant no reply is waited for past (set by the caller
+        for one fetch: the weight-sync deadline); None: ``timeout_s`` per reply only."""
         self.socket = client_socket(context, endpoint, timeout_s)
         self.errors: Counter[str] = Counter()
         self.stats: Counter[str] = Counter()
@@ -200,10 +205,16 @@ class WeightClient:
 
     def _receive(self, max_bytes: int):
         timeout_ms = int(self.timeout_s * 1000)
+        if self.deadline is not None:
+            timeout_ms = min(
+                timeout_ms, max(0, math.ceil((self.deadline - time.monotonic()) * 1000))
+            )
         if self.on_wait is not None and not self.socket.poll(min(SLOW_REPLY_MS, timeout_ms)):
             self.on_wait()
             timeout_ms -= SLOW_REPLY_MS
         if timeout_ms <= 0 or not self.socket.poll(timeout_ms):
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                raise TimeoutError(f"no reply from {self.endpoint} before the deadline")
             raise TimeoutError(f"no reply from {self.endpoint} within {self.timeout_s:.0f}s")
         return decode(self.socket.recv_multipart(copy=False), max_bytes=max_bytes)
 

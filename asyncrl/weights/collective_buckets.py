@@ -1,0 +1,222 @@
+"""How a version travels on the collective path: flat buckets, and the header that says so.
+
+The learner packs a version's tensors into flat buckets, one dtype per bucket,
+in index order: each bucket holds whole tensors end to end, at most
+``bucket_bytes`` of them, and a tensor larger than that is a bucket of its own
+(a receiver that loads bucket by bucket, as vLLM does, needs whole tensors). A
+bucket is one broadcast. Before the first one the learner sends an
+:class:`Offer`: the version and, per bucket, its dtype, size and the names,
+shapes and byte offsets of its tensors. The receiver checks the offer
+(:func:`check_offer`) before it receives a byte: sizes that add up, known
+dtypes, the names and shapes its engine expects, nothing missing, nothing
+extra, so that what it receives can only land where it belongs.
+
+Replies travel through the group's store, which anyone who reaches its port
+may write: each is signed (:func:`seal`, HMAC-SHA256 with the group key,
+bound to the group and the request it answers) and opened only when the
+signature holds (:func:`unseal`). Nothing is ever unpickled: msgpack of the
+structs below, decoded strictly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import msgspec
+
+from asyncrl.messages import TensorEntry
+from asyncrl.weights.source import WeightTransferError
+from asyncrl.wire import ITEMSIZE, nbytes_of
+
+MAC_BYTES = 32
+MAX_MESSAGE_BYTES = 64 << 20
+"""The largest signed message a side opens (a 1000-layer model's offer is about 1 MB)."""
+MAX_BUCKETS = 1 << 16
+MAX_DIMS = 8
+
+
+class BucketTensor(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """One tensor of a bucket: bytes ``[offset, offset + its size)`` of the bucket."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+
+class Bucket(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """One broadcast: ``nbytes`` bytes holding ``tensors`` of one ``dtype``, end to end."""
+
+    dtype: str
+    nbytes: int
+    tensors: tuple[BucketTensor, ...]
+
+
+class Offer(msgspec.Struct, tag="offer", frozen=True, forbid_unknown_fields=True):
+    """The learner sends ``version`` now, in these buckets, in this order."""
+
+    version: int
+    published_at: float
+    buckets: tuple[Bucket, ...]
+
+
+class UpToDate(msgspec.Struct, tag="up_to_date", frozen=True, forbid_unknown_fields=True):
+    """Nothing newer than the version asked about (``latest``: -1 before the first publish)."""
+
+    latest: int
+
+
+class Ask(msgspec.Struct, tag="ask", frozen=True, forbid_unknown_fields=True):
+    """A member asks for a version newer than ``have_version``."""
+
+    have_version: int
+
+
+class JoinRequest(msgspec.Struct, tag="join", frozen=True, forbid_unknown_fields=True):
+    """A replica asks for a group of ``world_size`` ranks (learner + its engine's workers)."""
+
+    replica: str
+    nonce: str
+    world_size: int
+    device: str = "cpu"
+    """Where its ranks hold the buckets: ``cuda`` makes an NCCL group, ``cpu`` a gloo one."""
+
+
+class Accept(msgspec.Struct, tag="accept", frozen=True, forbid_unknown_fields=True):
+    """The learner made group ``ticket`` for the join request with ``nonce``."""
+
+    ticket: int
+    nonce: str
+    world_size: int
+
+
+Message = Offer | UpToDate | Ask | JoinRequest | Accept
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Message)
+
+
+class Spec(NamedTuple):
+    """What the engine expects of one tensor; None where it cannot say (vLLM's dtypes)."""
+
+    shape: tuple[int, ...] | None
+    dtype: str | None
+
+
+def seal(message: Message, key: bytes | None, context: str) -> bytes:
+    """``message`` signed for ``context`` (e.g. ``"reply:3:7"``): MAC then msgpack body."""
+    body = _ENCODER.encode(message)
+    return _mac(key, context, body) + body
+
+
+def unseal(data: bytes, key: bytes | None, context: str, expected: type) -> Message:
+    """The message in ``data`` when its signature for ``context`` holds and it is an
+    ``expected`` (or, for replies, any reply type); else WeightTransferError."""
+    if not MAC_BYTES <= len(data) <= MAX_MESSAGE_BYTES:
+        raise WeightTransferError(f"collective: a {len(data)}-byte message for {context}")
+    mac, body = data[:MAC_BYTES], data[MAC_BYTES:]
+    if not hmac.compare_digest(mac, _mac(key, context, body)):
+        raise WeightTransferError(f"collective: a forged or misdirected message for {context}")
+    try:
+        message = _DECODER.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise WeightTransferError(f"collective: malformed message for {context}: {error}") from None
+    if not isinstance(message, expected):
+        raise WeightTransferError(f"collective: got {type(message).__name__} for {context}")
+    return message
+
+
+def _mac(key: bytes | None, context: str, body: bytes) -> bytes:
+    """No key (``cluster.auth`` off): a constant, so anyone may speak (said at start)."""
+    if key is None:
+        return bytes(MAC_BYTES)
+    return hmac.new(key, context.encode() + b"\0" + body, hashlib.sha256).digest()
+
+
+def plan_buckets(
+    tensors: Sequence[TensorEntry], bucket_bytes: int
+) -> list[tuple[Bucket, list[int]]]:
+    """Each bucket with the indices (into ``tensors``) of the tensors it carries, in order.
+
+    One dtype per bucket; a dtype's tensors keep their index order and fill its
+    current bucket until the next would take it past ``bucket_bytes``; a tensor
+    larger than that is a bucket of its own.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    planned: list[tuple[Bucket, list[int]]] = []
+    open_buckets: dict[str, tuple[list[BucketTensor], list[int], int]] = {}
+
+    def close(dtype: str) -> None:
+        members, indices, size = open_buckets.pop(dtype)
+        planned.append((Bucket(dtype, size, tuple(members)), indices))
+
+    for index, entry in enumerate(tensors):
+        current = open_buckets.get(entry.dtype)
+        if current is not None and current[2] + entry.nbytes > bucket_bytes:
+            close(entry.dtype)
+            current = None
+        if current is None:
+            current = open_buckets[entry.dtype] = ([], [], 0)
+        members, indices, size = current
+        members.append(BucketTensor(entry.name, tuple(entry.shape), size))
+        indices.append(index)
+        open_buckets[entry.dtype] = (members, indices, size + entry.nbytes)
+    for dtype in list(open_buckets):
+        close(dtype)
+    return planned
+
+
+def check_offer(
+    offer: Offer,
+    have_version: int,
+    expected: Mapping[str, Spec] | None,
+    optional: set[str],
+    bucket_bytes: int,
+) -> None:
+    """Raise WeightTransferError naming the first thing wrong with ``offer``.
+
+    ``expected``: the engine's tensors by name (None: names unknown here, the
+    engine checks them); ``optional`` may be missing (a tied LM head). A bucket
+    of several tensors is at most ``bucket_bytes``; its tensors tile it from
+    byte 0 without gaps or overlaps; dtypes and dimensions are sane; no name
+    twice.
+    """
+
+    def refuse(problem: str) -> None:
+        raise WeightTransferError(f"collective: refused v{offer.version}: {problem}")
+
+    if offer.version <= have_version:
+        refuse(f"not newer than v{have_version}")
+    if len(offer.buckets) > MAX_BUCKETS:
+        refuse(f"{len(offer.buckets)} buckets")
+    seen: set[str] = set()
+    for number, bucket in enumerate(offer.buckets):
+        if bucket.dtype not in ITEMSIZE:
+            refuse(f"bucket {number} has unknown dtype {bucket.dtype!r}")
+        if len(bucket.tensors) > 1 and bucket.nbytes > bucket_bytes:
+            refuse(f"bucket {number} holds {bucket.nbytes} bytes, over {bucket_bytes}")
+        position = 0
+        for tensor in bucket.tensors:
+            if tensor.name in seen:
+                refuse(f"tensor '{tensor.name}' is sent twice")
+            seen.add(tensor.name)
+            if len(tensor.shape) > MAX_DIMS or any(d < 0 for d in tensor.shape):
+                refuse(f"tensor '{tensor.name}' has shape {tensor.shape}")
+            if tensor.offset != position:
+                refuse(f"tensor '{tensor.name}' is at byte {tensor.offset}, not {position}")
+            position += nbytes_of(bucket.dtype, tensor.shape)
+            spec = expected.get(tensor.name) if expected is not None else Spec(None, None)
+            if spec is None:
+                refuse(f"tensor '{tensor.name}' is not one of the engine's")
+            if spec.shape is not None and tuple(spec.shape) != tensor.shape:
+                refuse(f"tensor '{tensor.name}' has shape {tensor.shape}, expected {spec.shape}")
+            if spec.dtype is not None and spec.dtype != bucket.dtype:
+                refuse(f"tensor '{tensor.name}' is {bucket.dtype}, expected {spec.dtype}")
+        if position != bucket.nbytes:
+            refuse(f"bucket {number} says {bucket.nbytes} bytes, its tensors take {position}")
+    if expected is not None:
+        missing = set(expected) - optional - seen
+        if missing:
+            refuse(f"missing {sorted(missing)[:8]}")

@@ -1,0 +1,381 @@
+"""Learner rank 0's side of the collective path: admit members, broadcast what they ask for.
+
+:class:`CollectiveSender` serves the snapshots the ZeroMQ publisher already
+holds (:class:`~asyncrl.weights.snapshot.SnapshotStore`): nothing is added to
+the learner's publish, the only stall. A thread admits join requests
+(:mod:`asyncrl.weights.collective`); each member then has a thread of its own
+that waits for the member's signed :class:`Ask`, answers with the newest
+version's :class:`Offer` (or :class:`UpToDate`) and broadcasts its buckets:
+a one-tensor bucket straight from the snapshot's buffer, a bucket of several
+packed into a staging buffer on the member's thread, off the training path.
+
+Each broadcast has what is left of ``deadline_s`` as its gloo timeout. A
+member that misses it (a stopped or stalled replica) is cancelled there:
+counted (``weights_collective_deadline_missed_total``), logged with the
+replica and the version, and its group destroyed; the replica re-joins with a
+new group. The other members, and the learner, never wait for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import itertools
+import logging
+import threading
+import time
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.weights.collective import (
+    JOIN_QUEUE,
+    JOIN_TIMEOUT_S,
+    MAX_MEMBERS,
+    MAX_WORLD_SIZE,
+    GroupAddress,
+    accept_key,
+    ask_key,
+    broadcast,
+    connect_store,
+    group_prefix,
+    is_timeout,
+    make_group,
+    reply_key,
+    serve_store,
+)
+from asyncrl.weights.collective_buckets import (
+    Accept,
+    Ask,
+    Bucket,
+    JoinRequest,
+    Offer,
+    UpToDate,
+    plan_buckets,
+    seal,
+    unseal,
+)
+from asyncrl.weights.snapshot import Snapshot, SnapshotStore
+from asyncrl.weights.source import WeightTransferError
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
+
+log = logging.getLogger("asyncrl.weights")
+
+IDLE_WAIT_S = 3600.0
+"""How long a member's thread waits for an ask in one go (stopping it sets the key)."""
+NONCE_HEX = 32
+
+
+class CollectiveSender:
+    """Admits replicas into pairwise groups and broadcasts snapshots to them on request."""
+
+    def __init__(
+        self,
+        snapshots: SnapshotStore,
+        host: str,
+        port: int,
+        key: bytes | None,
+        *,
+        bucket_bytes: int,
+        deadline_s: float,
+        device: torch.device | None = None,
+    ):
+        """Serve ``snapshots`` at ``host:port`` (0: a free port, then ``address.port``);
+        ``key`` signs every message (None: ``cluster.auth`` off, anyone may join)."""
+        self.snapshots = snapshots
+        self.key = key
+        self.bucket_bytes = bucket_bytes
+        self.deadline_s = deadline_s
+        self.device = device or torch.device("cpu")
+        self.store = serve_store(host, port)
+        self.address = GroupAddress(host, self.store.port)
+        self.counters: Counter[str] = Counter()
+        self.members: dict[str, _Member] = {}
+        self._lock = threading.Lock()
+        self._plans: dict[int, list[tuple[Bucket, list[int]]]] = {}
+        self._nonces: set[str] = set()
+        self._tickets = itertools.count()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._admit_loop, name="weights-group", daemon=True)
+        self._thread.start()
+
+    def count(self, name: str, by: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += by
+
+    def plan(self, snapshot: Snapshot) -> list[tuple[Bucket, list[int]]]:
+        """The buckets of ``snapshot`` (computed once per version, shared by the members)."""
+        with self._lock:
+            plan = self._plans.get(snapshot.version)
+            if plan is None:
+                plan = plan_buckets(snapshot.tensors, self.bucket_bytes)
+                self._plans = {snapshot.version: plan, **dict(list(self._plans.items())[-1:])}
+            return plan
+
+    # ------------------------------------------------------------------ admission
+
+    def _admit_loop(self) -> None:
+        client = connect_store(self.address, JOIN_TIMEOUT_S)
+        while not self._stop.is_set():
+            try:
+                data = client.queue_pop(JOIN_QUEUE, False)
+            except dist.QueueEmptyError:
+                self._stop.wait(0.05)
+                continue
+            except Exception:  # the store is closing
+                if not self._stop.is_set():
+                    log.exception("collective: the join queue failed")
+                return
+            try:
+                self._admit(data)
+            except Exception:
+                self.count("joins_refused")
+                log.exception("collective: a join request could not be answered")
+
+    def _admit(self, data: bytes) -> None:
+        try:
+            request = unseal(data, self.key, "join", JoinRequest)
+        except WeightTransferError as error:
+            self.count("joins_refused")
+            log.warning("%s", error)
+            return
+        problem = None
+        if not 2 <= request.world_size <= MAX_WORLD_SIZE:
+            problem = f"a group of {request.world_size}"
+        elif len(request.nonce) != NONCE_HEX or request.nonce in self._nonces:
+            problem = "a reused nonce"
+        elif not 0 < len(request.replica) <= 200:
+            problem = "no replica name"
+        elif request.device not in ("cpu", "cuda"):
+            problem = f"device {request.device[:20]!r}"
+        if problem:
+            self.count("joins_refused")
+            log.warning("collective: refused a join request (%s)", problem)
+            return
+        self._nonces.add(request.nonce)
+        ticket = next(self._tickets)
+        with self._lock:
+            old = self.members.pop(request.replica, None)
+            if old is None and len(self.members) >= MAX_MEMBERS:
+                old = self.members.pop(min(self.members, key=lambda n: self.members[n].active_at))
+            member = _Member(self, ticket, request)
+            self.members[request.replica] = member
+        if old is not None:
+            old.stop()  # a restarted replica, or the longest idle one past MAX_MEMBERS
+        accept = Accept(ticket, request.nonce, request.world_size)
+        self.store.set(accept_key(request.nonce), seal(accept, self.key, f"accept:{request.nonce}"))
+        member.start()
+        self.count("joins_accepted")
+
+    def drop(self, member: _Member) -> None:
+        with self._lock:
+            if self.members.get(member.replica) is member:
+                del self.members[member.replica]
+
+    # ------------------------------------------------------------------ reporting
+
+    def stats(self) -> dict[str, float]:
+        """``weights_collective_<counter>_total`` (joins_accepted, joins_refused,
+        transfers_finished, deadline_missed, transfer_failures, bytes_sent, ...) and
+        ``weights_collective_members`` (groups alive now)."""
+        with self._lock:
+            counters = dict(self.counters)
+            members = len(self.members)
+        stats = {f"weights_collective_{name}_total": float(n) for name, n in counters.items()}
+        stats["weights_collective_members"] = float(members)
+        return stats
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with self._lock:
+            members, self.members = list(self.members.values()), {}
+        for member in members:
+            member.stop()
+        for member in members:
+            member.join(timeout=5)
+        del self.store
+
+
+class _Member(threading.Thread):
+    """One replica's group and the thread that serves it."""
+
+    def __init__(self, sender: CollectiveSender, ticket: int, request: JoinRequest):
+        super().__init__(name=f"weights-group-{ticket}", daemon=True)
+        self.sender = sender
+        self.ticket = ticket
+        self.replica = request.replica
+        self.world_size = request.world_size
+        # NCCL where both ends are on CUDA, gloo otherwise (a CPU replica of a GPU learner)
+        on_cuda = request.device == "cuda" and sender.device.type == "cuda"
+        self.device = sender.device if on_cuda else torch.device("cpu")
+        self.active_at = time.monotonic()
+        self.stopped = threading.Event()
+        self.next_ask = 0
+        self.group: dist.ProcessGroup | None = None
+        self.staging: torch.Tensor | None = None
+
+    def stop(self) -> None:
+        """End the thread: it waits on its next ask's key, so set that key (to nothing)."""
+        self.stopped.set()
+        with contextlib.suppress(Exception):  # the store is gone: so is every wait on it
+            self.sender.store.set(ask_key(self.ticket, self.next_ask), b"")
+
+    def run(self) -> None:
+        sender = self.sender
+        try:
+            client = connect_store(sender.address, JOIN_TIMEOUT_S)
+            prefixed = dist.PrefixStore(group_prefix(self.ticket), client)
+            self.group = make_group(
+                prefixed, 0, self.world_size, JOIN_TIMEOUT_S, self.device, sender.address.host
+            )
+        except Exception as error:
+            sender.count("joins_failed")
+            log.warning("collective: %s did not complete its group: %s", self.replica, error)
+            sender.drop(self)
+            return
+        log.info("collective: %s joined (group %d)", self.replica, self.ticket)
+        try:
+            self._serve(client)
+        finally:
+            self.group = None  # destroyed: a member that comes back makes a new one
+            sender.drop(self)
+
+    def _serve(self, client: dist.Store) -> None:
+        sender = self.sender
+        for ask in itertools.count():
+            self.next_ask = ask
+            key = ask_key(self.ticket, ask)
+            while not self._arrived(client, key) and not self.stopped.is_set():
+                pass
+            if self.stopped.is_set():
+                return
+            data = client.get(key)
+            client.delete_key(key)
+            context = f"ask:{self.ticket}:{ask}"
+            try:
+                request = unseal(data, sender.key, context, Ask)
+            except WeightTransferError as error:
+                sender.count("asks_refused")
+                log.warning("collective: %s: %s; its group is dropped", self.replica, error)
+                return
+            self.active_at = time.monotonic()
+            if not self._answer(client, ask, request.have_version):
+                return
+
+    def _arrived(self, client: dist.Store, key: str) -> bool:
+        try:
+            client.wait([key], datetime.timedelta(seconds=IDLE_WAIT_S))
+        except Exception:  # not yet (DistStoreError on a timeout), or the store is gone
+            return self.stopped.wait(1.0)
+        return True
+
+    def _answer(self, client: dist.Store, ask: int, have_version: int) -> bool:
+        """Offer and broadcast the newest version; False when the group is done for."""
+        sender = self.sender
+        context = f"reply:{self.ticket}:{ask}"
+        snapshot = None
+        for _ in range(3):  # a version may be recycled between newest() and checkout()
+            newest = sender.snapshots.newest()
+            if newest is None or newest.version <= have_version or not newest.pieces:
+                latest = -1 if newest is None else newest.version
+                client.set(reply_key(self.ticket, ask), seal(UpToDate(latest), sender.key, context))
+                return True
+            snapshot, _ = sender.snapshots.checkout(newest.version, 0)
+            if snapshot is not None:
+                break
+        if snapshot is None:
+            client.set(reply_key(self.ticket, ask), seal(UpToDate(-1), sender.key, context))
+            return True
+        started = time.monotonic()
+        try:
+            plan = sender.plan(snapshot)
+            offer = Offer(snapshot.version, snapshot.published_at, tuple(b for b, _ in plan))
+            client.set(reply_key(self.ticket, ask), seal(offer, sender.key, context))
+            deadline = started + sender.deadline_s
+            for bucket, indices in plan:
+                if bucket.nbytes:
+                    tensor = self._pack(snapshot, bucket, indices)
+                    broadcast(self.group, tensor, deadline - time.monotonic())
+                    sender.count("bytes_sent", bucket.nbytes)
+        except Exception as error:
+            sender.drop(self)  # first: whoever reads the count sees the member gone
+            missed = is_timeout(error)
+            sender.count("deadline_missed" if missed else "transfer_failures")
+            log.warning(
+                "collective: sending v%d to %s %s after %.1fs (%s); its group is dropped and "
+                "it re-joins",
+                snapshot.version,
+                self.replica,
+                "missed the deadline" if missed else "failed",
+                time.monotonic() - started,
+                str(error)[:200],
+            )
+            return False
+        finally:
+            sender.snapshots.release(snapshot, [])
+        sender.count("transfers_finished")
+        return True
+
+    def _pack(self, snapshot: Snapshot, bucket: Bucket, indices: list[int]) -> torch.Tensor:
+        """The bucket's bytes as one tensor on the sender's device: a one-tensor bucket is the
+        snapshot's buffer itself (on CPU); several are copied into the staging buffer."""
+        device = self.device
+        if len(indices) == 1 and device.type == "cpu":
+            return snapshot.buffers[indices[0]].reshape(-1).view(torch.uint8)
+        if self.staging is None or self.staging.numel() < bucket.nbytes:
+            size = max(bucket.nbytes, min(self.sender.bucket_bytes, 1 << 30))
+            self.staging = torch.empty(size, dtype=torch.uint8, device=device)
+        flat = self.staging[: bucket.nbytes]
+        for tensor, index in zip(bucket.tensors, indices, strict=True):
+            source = snapshot.buffers[index].reshape(-1).view(torch.uint8)
+            flat[tensor.offset : tensor.offset + source.numel()].copy_(source, non_blocking=True)
+        return flat
+
+
+class WithBroadcast:
+    """Rank 0's sink with the collective path beside it: publishes through ``sink`` (whose
+    ZeroMQ snapshots the broadcast serves), reports and closes both."""
+
+    def __init__(self, sink, sender: CollectiveSender):
+        self.sink = sink
+        self.sender = sender
+
+    @property
+    def version(self) -> int:
+        return self.sink.version
+
+    def publish(self, tensors, version: int, **kwargs) -> float:
+        return self.sink.publish(tensors, version, **kwargs)
+
+    def stats(self) -> dict[str, float]:
+        return {**self.sink.stats(), **self.sender.stats()}
+
+    def close(self) -> None:
+        self.sender.close()
+        self.sink.close()
+
+
+def learner_sender(config: Config, snapshots: SnapshotStore) -> CollectiveSender:
+    """The run's sender on learner rank 0: the group store at ``cluster.bind`` (or
+    ``cluster.host``) and ``weights.group_port``, serving ``snapshots``."""
+    from asyncrl.weights.collective import group_key
+
+    weights, cluster = config.weights, config.cluster
+    if not weights.group_port:
+        log.warning(
+            "weights.group_port is 0: the group store gets a free port no replica is told "
+            "(`asyncrl launch` resolves it); replicas will use the other paths"
+        )
+    return CollectiveSender(
+        snapshots,
+        cluster.bind_address,
+        weights.group_port,
+        group_key(cluster, create=True),
+        bucket_bytes=weights.bucket_bytes,
+        deadline_s=weights.deadline_s,
+    )

@@ -1,0 +1,128 @@
+"""The shared-memory weight segment: its layout, its name, and the checks on both ends.
+
+On one host the learner writes each published version once into a file in
+``/dev/shm`` and the replicas read it in place (``shm_writer.py``,
+``shm_reader.py``). The segment is a page of header and two slots::
+
+    header  magic "ASRLWSHM", format, slots (2), slot_bytes, retired
+    slot    seq, version, published_at, index_nbytes, data_offset, data_nbytes,
+            the tensor index (msgpack list of TensorEntry), then the tensors' bytes
+
+``seq`` is a seqlock: odd while the writer fills the slot, even once it is
+complete, 0 never written. The writer fills the older slot, so the slot a
+reader most likely reads (the newest) is only overwritten by the publish after
+the next one. A reader notes ``seq``, loads, and checks ``seq`` again: a changed
+counter means a write overlapped the read, and the load is discarded.
+``retired`` tells readers the learner has stopped writing here (it exited, or
+a version outgrew the slots): they fall back to another path.
+
+The segment's name is random (``asyncrl-`` and 32 hex digits) and recorded in
+``RUN_DIR/weights_shm`` (0600), where the run's replicas find it, and where the
+next learner of the same run dir finds a crashed run's leftover to remove it.
+File and segment are created owner-only; a reader refuses a segment that is
+not a regular file of its own user with no group or other permissions.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import struct
+from pathlib import Path
+
+import msgspec
+
+from asyncrl.messages import TensorEntry
+from asyncrl.weights.source import WeightTransferError
+from asyncrl.wire import DTYPES, nbytes_of
+
+SHM_DIR = Path("/dev/shm")
+POINTER_FILE = "weights_shm"
+"""The file in the run dir naming the run's segment."""
+NAME = re.compile(r"asyncrl-[0-9a-f]{32}")
+MAGIC = b"ASRLWSHM"
+FORMAT = 1
+SLOTS = 2
+PAGE = 4096
+ALIGN = 64
+"""Each tensor starts at a multiple of this within a slot's data (aligned vector loads)."""
+MAX_INDEX_BYTES = 64 << 20
+"""The largest tensor index a reader decodes (a 1000-layer model's index is ~1 MB)."""
+
+HEADER = struct.Struct("<8sIIQQ")  # magic, format, slots, slot_bytes, retired
+RETIRED_OFFSET = 24
+SLOT_HEADER = struct.Struct("<QqdQQQ")  # seq, version, published_at, index, data at, data
+SLOT_HEADER_BYTES = 64
+INDEX_DECODER = msgspec.msgpack.Decoder(list[TensorEntry])
+INDEX_ENCODER = msgspec.msgpack.Encoder()
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def segment_path(name: str) -> Path:
+    return SHM_DIR / name
+
+
+def aligned_layout(entries: list[tuple[str, str, tuple[int, ...]]]) -> list[TensorEntry]:
+    """``(name, dtype, shape)`` laid out in a slot's data: each at an ALIGN boundary."""
+    tensors, offset = [], 0
+    for name, dtype, shape in entries:
+        nbytes = nbytes_of(dtype, shape)
+        tensors.append(TensorEntry(name, dtype, tuple(shape), offset, nbytes))
+        offset = round_up(offset + nbytes, ALIGN)
+    return tensors
+
+
+def data_nbytes(tensors: list[TensorEntry]) -> int:
+    return max((t.offset + t.nbytes for t in tensors), default=0)
+
+
+def check_index(tensors: list[TensorEntry], data_bytes: int, version: int) -> None:
+    """Raise WeightTransferError naming the first entry that does not fit the slot: an
+    unknown dtype, a size that is not its shape's, an offset out of order or unaligned,
+    bytes past the slot's data, a name listed twice."""
+    names: set[str] = set()
+    end = 0
+    for entry in tensors:
+        where = f"shm v{version}: tensor '{entry.name[:80]}'"
+        if entry.name in names:
+            raise WeightTransferError(f"{where} is listed twice")
+        names.add(entry.name)
+        if entry.dtype not in DTYPES or any(dim < 0 for dim in entry.shape):
+            raise WeightTransferError(f"{where} has unsupported {entry.dtype}{entry.shape}")
+        if entry.nbytes != nbytes_of(entry.dtype, entry.shape):
+            raise WeightTransferError(
+                f"{where} {entry.shape} {entry.dtype} must be "
+                f"{nbytes_of(entry.dtype, entry.shape)} bytes, the index says {entry.nbytes}"
+            )
+        if entry.offset < end or entry.offset % ALIGN:
+            raise WeightTransferError(f"{where} starts at {entry.offset}: overlaps or unaligned")
+        end = entry.offset + entry.nbytes
+        if end > data_bytes:
+            raise WeightTransferError(
+                f"{where} ends at byte {end}, past the slot's {data_bytes} bytes of data"
+            )
+
+
+def read_pointer(run_dir: Path) -> str | None:
+    """The segment name ``run_dir`` records, None when there is none or it is malformed."""
+    try:
+        text = (run_dir / POINTER_FILE).read_text()[:128].strip()
+    except OSError:
+        return None
+    return text if NAME.fullmatch(text) else None
+
+
+def check_owner_only(fd: int, what: str) -> os.stat_result:
+    """Refuse a file that is not a regular file of this user, or that others may open."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise WeightTransferError(f"{what} is not a regular file")
+    if info.st_uid != os.geteuid():
+        raise WeightTransferError(f"{what} belongs to uid {info.st_uid}, not to this user")
+    if info.st_mode & 0o077:
+        raise WeightTransferError(f"{what} is open to others (mode {info.st_mode & 0o777:o})")
+    return info

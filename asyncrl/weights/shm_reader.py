@@ -1,0 +1,244 @@
+"""A replica's end of the shared-memory path: load the newest complete slot in place.
+
+:class:`ShmSource` maps the segment the run dir names (read-only, after checking
+it is this user's and owner-only), picks the newest slot whose seqlock counter
+is even, checks its index against the slot's bounds, hands the engine
+zero-copy views of the slot, and reads the counter again once the engine has
+copied them. A changed counter means the learner rewrote the slot meanwhile
+(two publishes during one load): the load is discarded and retried once with
+the then newest slot; a second overlap raises ``WeightTransferError(partial=True)``
+since the engine may hold a mix. A learner that restarted writes a new segment
+and a new record in the run dir: the source notices the record changed and maps
+the new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+import msgspec
+import torch
+
+from asyncrl.weights.layout import FROM_NAME
+from asyncrl.weights.shm import (
+    FORMAT,
+    HEADER,
+    INDEX_DECODER,
+    MAGIC,
+    MAX_INDEX_BYTES,
+    PAGE,
+    POINTER_FILE,
+    RETIRED_OFFSET,
+    SHM_DIR,
+    SLOT_HEADER,
+    SLOT_HEADER_BYTES,
+    SLOTS,
+    check_index,
+    check_owner_only,
+    read_pointer,
+)
+from asyncrl.weights.source import Loaded, PathUnavailable, WeightTransferError
+
+if TYPE_CHECKING:
+    from asyncrl.generators.backend import Backend
+
+log = logging.getLogger("asyncrl.weights")
+
+
+class _Slot(NamedTuple):
+    start: int
+    seq: int
+    version: int
+    published_at: float
+    index_nbytes: int
+    data_at: int
+    data_nbytes: int
+
+
+class ShmSource:
+    """The shared-memory path as a :class:`~asyncrl.weights.source.WeightSource`."""
+
+    name = "shm"
+
+    def __init__(self, run_dir: Path | None, shm_dir: Path = SHM_DIR):
+        """``run_dir`` None: a replica with no run dir of the learner's (joined by hand):
+        the path is never available."""
+        self.run_dir = run_dir
+        self.shm_dir = shm_dir
+        self.counters: Counter[str] = Counter()
+        self._map: mmap.mmap | None = None
+        self._segment = ""
+        self._pointer_stamp: tuple[int, int] | None = None
+        self._slot_bytes = 0
+
+    # ------------------------------------------------------------------ mapping
+
+    def _pointer_changed(self) -> bool:
+        assert self.run_dir is not None
+        try:
+            info = os.stat(self.run_dir / POINTER_FILE)
+        except OSError:
+            return True
+        return (info.st_ino, info.st_mtime_ns) != self._pointer_stamp
+
+    def _ensure_mapped(self) -> mmap.mmap:
+        if self.run_dir is None:
+            raise PathUnavailable("shm: this replica has no run dir of the learner's")
+        if self._map is not None and (self._retired() or self._pointer_changed()):
+            self._unmap()
+        if self._map is None:
+            self._map = self._attach()
+        if self._retired():
+            raise PathUnavailable(f"shm: segment {self._segment} is retired by the learner")
+        return self._map
+
+    def _attach(self) -> mmap.mmap:
+        assert self.run_dir is not None
+        try:
+            info = os.stat(self.run_dir / POINTER_FILE)
+        except OSError:
+            raise PathUnavailable("shm: the learner has not shared a segment (yet)") from None
+        name = read_pointer(self.run_dir)
+        if name is None:
+            raise WeightTransferError(f"shm: {self.run_dir / POINTER_FILE} names no segment")
+        path = self.shm_dir / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as error:  # the learner is on another host, or gone
+            raise PathUnavailable(f"shm: cannot open {path}: {error.strerror}") from None
+        try:
+            size = check_owner_only(fd, f"shm segment {path}").st_size
+            if size < PAGE:
+                raise WeightTransferError(f"shm segment {path} is {size} bytes, no header")
+            mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        magic, fmt, slots, slot_bytes, _ = HEADER.unpack_from(mapped, 0)
+        if magic != MAGIC or fmt != FORMAT or slots != SLOTS or PAGE + slots * slot_bytes != size:
+            mapped.close()
+            raise WeightTransferError(
+                f"shm segment {path}: corrupt header (magic {magic!r}, format {fmt}, "
+                f"{slots} slots of {slot_bytes} bytes in {size})"
+            )
+        self._segment, self._slot_bytes = name, slot_bytes
+        self._pointer_stamp = (info.st_ino, info.st_mtime_ns)
+        return mapped
+
+    def _retired(self) -> bool:
+        assert self._map is not None
+        return int.from_bytes(self._map[RETIRED_OFFSET : RETIRED_OFFSET + 8], "little") != 0
+
+    def _unmap(self) -> None:
+        if self._map is not None:
+            # views still held: the mapping goes when they do
+            with contextlib.suppress(BufferError):
+                self._map.close()
+            self._map = None
+
+    # ------------------------------------------------------------------ reading
+
+    def _slot(self, index: int) -> _Slot:
+        assert self._map is not None
+        start = PAGE + index * self._slot_bytes
+        return _Slot(start, *SLOT_HEADER.unpack_from(self._map, start))
+
+    def _seq(self, slot: _Slot) -> int:
+        assert self._map is not None
+        return int.from_bytes(self._map[slot.start : slot.start + 8], "little")
+
+    def _newest(self) -> _Slot | None:
+        """The complete slot (even counter, ever written) with the highest version."""
+        complete = [s for s in map(self._slot, range(SLOTS)) if s.seq and s.seq % 2 == 0]
+        return max(complete, key=lambda s: s.version, default=None)
+
+    def _views(self, slot: _Slot) -> dict[str, torch.Tensor]:
+        """The slot's tensors as read-only views of the mapping, after checking its index."""
+        assert self._map is not None
+        where = f"shm v{slot.version}"
+        if (
+            not 0 <= slot.index_nbytes <= MAX_INDEX_BYTES
+            or slot.data_at % PAGE
+            or slot.data_at < SLOT_HEADER_BYTES + slot.index_nbytes
+            or slot.data_at + slot.data_nbytes > self._slot_bytes
+        ):
+            raise WeightTransferError(
+                f"{where}: corrupt slot header (index {slot.index_nbytes} bytes, data "
+                f"{slot.data_nbytes} bytes at {slot.data_at} in a {self._slot_bytes}-byte slot)"
+            )
+        index_at = slot.start + SLOT_HEADER_BYTES
+        try:
+            tensors = INDEX_DECODER.decode(self._map[index_at : index_at + slot.index_nbytes])
+        except msgspec.MsgspecError as error:
+            raise WeightTransferError(f"{where}: corrupt tensor index: {error}") from None
+        check_index(tensors, slot.data_nbytes, slot.version)
+        base = slot.start + slot.data_at
+        views = {}
+        with warnings.catch_warnings():  # a read-only mapping: the engine only copies from it
+            warnings.simplefilter("ignore", UserWarning)
+            for entry in tensors:
+                if entry.nbytes:
+                    raw = torch.frombuffer(
+                        self._map, dtype=torch.uint8, count=entry.nbytes, offset=base + entry.offset
+                    )
+                else:
+                    raw = torch.empty(0, dtype=torch.uint8)
+                views[entry.name] = raw.view(FROM_NAME[entry.dtype]).reshape(entry.shape)
+        return views
+
+    def sync_into(self, backend: Backend, have_version: int, deadline: float) -> Loaded | None:
+        """Load the newest complete slot if newer than ``have_version``; see the module."""
+        self._ensure_mapped()
+        torn = False  # the engine holds a load a write overlapped
+        for _ in range(2):
+            slot = self._newest()
+            if slot is None or (not torn and slot.version <= have_version):
+                if torn:
+                    break
+                return None
+            if time.monotonic() > deadline:
+                raise WeightTransferError(
+                    f"shm v{slot.version}: deadline passed before the load",
+                    partial=torn,
+                    deadline_missed=True,
+                )
+            try:
+                views = self._views(slot)
+            except WeightTransferError as error:
+                if self._seq(slot) == slot.seq:
+                    error.partial = torn
+                    raise
+                views = None  # the header changed under us: an overlap, not corruption
+            if views is not None:
+                started = time.perf_counter()
+                try:
+                    backend.load_weights(views, slot.version)
+                except ValueError as error:  # refused before any weight changed (contract)
+                    raise WeightTransferError(
+                        f"shm v{slot.version}: {error}", partial=torn
+                    ) from None
+                except Exception as error:
+                    raise WeightTransferError(
+                        f"shm v{slot.version}: loading failed: {error!r}", partial=True
+                    ) from error
+                finally:
+                    del views
+                load_s = time.perf_counter() - started
+                if self._seq(slot) == slot.seq:
+                    return Loaded(slot.version, slot.published_at, self.name, load_s)
+                torn = True
+            self.counters["overlaps"] += 1
+            log.info("shm v%d was rewritten while it was read; reading again", slot.version)
+        raise WeightTransferError(
+            "shm: the learner rewrote the slot during two loads in a row", partial=torn
+        )
+
+    def close(self) -> None:
+        self._unmap()

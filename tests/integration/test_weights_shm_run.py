@@ -1,0 +1,64 @@
+"""`weights.transport=shm` and `collective` end to end: the quickstart's replicas load over
+shared memory, or by the broadcast into their engines."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from run_processes import processes_of
+
+from asyncrl.status import read_metrics
+from asyncrl.weights.shm import POINTER_FILE, SHM_DIR
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_quickstart_over_shared_memory_loads_its_weights_there(tmp_path):
+    run_dir = tmp_path / "run"
+    segments_before = set(SHM_DIR.glob("asyncrl-*"))
+    command = [
+        sys.executable, "-m", "asyncrl", "launch", str(REPO / "configs/quickstart.yaml"),
+        "run.total_steps=12", "weights.transport=shm", "tracking.aim=false",
+        "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    records = read_metrics(run_dir)
+    assert [r["version"] for r in records] == list(range(1, 13))
+    last = records[-1]
+    assert last["generators_weights_loads_shm_total"] >= 1  # the replicas read shared memory
+    assert last.get("generators_weights_transfer_failures_total", 0.0) == 0.0
+    assert last["weights_shm_published_total"] >= 1
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("generator*"))
+    assert " over shm " in logs
+    # the learner removed its segment and the record of it when it exited
+    assert not (run_dir / POINTER_FILE).exists()
+    assert set(SHM_DIR.glob("asyncrl-*")) <= segments_before
+    assert processes_of(run_dir) == [], "the launcher left processes behind"
+
+
+def test_the_quickstart_over_the_collective_path_loads_its_weights_there(tmp_path):
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "asyncrl", "launch", str(REPO / "configs/quickstart.yaml"),
+        "run.total_steps=12", "weights.transport=collective", "tracking.aim=false",
+        "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    records = read_metrics(run_dir)
+    assert [r["version"] for r in records] == list(range(1, 13))
+    last = records[-1]
+    assert last["generators_weights_loads_collective_total"] >= 1  # broadcast into the engine
+    assert last.get("generators_weights_transfer_failures_total", 0.0) == 0.0
+    assert last["weights_collective_transfers_finished_total"] >= 1
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("generator*"))
+    assert " over collective " in logs
+    assert processes_of(run_dir) == [], "the launcher left processes behind"

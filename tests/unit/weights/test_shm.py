@@ -1,0 +1,292 @@
+"""The shared-memory weight path: a learner's writer and a replica's reader.
+
+Values are written out by hand: version ``v`` publishes ``w = v * [[1, 2, 3],
+[4, 5, 6]]`` (float32), ``b = [v, 2v]`` (int64) and ``h = [v / 2]`` (bfloat16,
+exact for these halves), so what a reader loaded says which version it was.
+"""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing
+import os
+import struct
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.generators.backend import check_state_dict
+from asyncrl.weights.shm import PAGE, POINTER_FILE
+from asyncrl.weights.shm_reader import ShmSource
+from asyncrl.weights.shm_writer import ShmWriter
+from asyncrl.weights.source import PathUnavailable, WeightTransferError
+
+NAMES = {"w", "b", "h"}
+
+
+def tensors(version: int) -> dict[str, torch.Tensor]:
+    return {
+        "w": torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]) * version,
+        "b": torch.tensor([version, 2 * version], dtype=torch.int64),
+        "h": torch.tensor([version / 2], dtype=torch.bfloat16),
+    }
+
+
+def expect_version(loaded: dict[str, torch.Tensor], v: int) -> None:
+    assert loaded["w"].tolist() == [[1.0 * v, 2.0 * v, 3.0 * v], [4.0 * v, 5.0 * v, 6.0 * v]]
+    assert loaded["b"].tolist() == [v, 2 * v]
+    assert loaded["h"].dtype == torch.bfloat16 and loaded["h"].tolist() == [v / 2]
+
+
+class CopyingBackend:
+    """Copies what it is handed (as an engine does), checking names like the real ones."""
+
+    def __init__(self, on_load=None):
+        self.version = 0
+        self.last_load_s = 0.0
+        self.weights: dict[str, torch.Tensor] = {}
+        self.loads = 0
+        self.on_load = on_load
+
+    def load_weights(self, state_dict, version):
+        check_state_dict(NAMES, set(), state_dict, version)
+        self.weights = {name: tensor.clone() for name, tensor in state_dict.items()}
+        self.loads += 1
+        if self.on_load is not None:
+            self.on_load(self.loads)
+        self.version = version
+
+
+def far() -> float:
+    return time.monotonic() + 30.0
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    run_dir, shm_dir = tmp_path / "run", tmp_path / "shm"
+    run_dir.mkdir()
+    shm_dir.mkdir()
+    return run_dir, shm_dir
+
+
+def started_writer(run_dir: Path, shm_dir: Path, versions=(1,)) -> ShmWriter:
+    writer = ShmWriter(run_dir, shm_dir)
+    assert writer.create(
+        [_entry(name, tensor) for name, tensor in tensors(1).items()]
+    )  # sized for the layout
+    for version in versions:
+        writer.publish(tensors(version), version)
+    return writer
+
+
+def _entry(name, tensor):
+    from asyncrl.messages import TensorEntry
+    from asyncrl.weights.layout import TORCH_DTYPES
+
+    nbytes = tensor.numel() * tensor.element_size()
+    return TensorEntry(name, TORCH_DTYPES[tensor.dtype], tuple(tensor.shape), 0, nbytes)
+
+
+# ---------------------------------------------------------------- two processes
+
+
+def _writer_process(run_dir: str, shm_dir: str, written, read) -> None:
+    writer = started_writer(Path(run_dir), Path(shm_dir), versions=())
+    for version in (1, 2, 3):
+        writer.publish(tensors(version), version)
+        written.put(version)
+        assert read.get(timeout=30) == version
+    writer.close()
+    written.put("closed")
+
+
+def test_a_writer_and_a_reader_in_two_processes_exchange_three_versions(dirs):
+    run_dir, shm_dir = dirs
+    spawn = multiprocessing.get_context("spawn")
+    written, read = spawn.Queue(), spawn.Queue()
+    child = spawn.Process(target=_writer_process, args=(str(run_dir), str(shm_dir), written, read))
+    child.start()
+    try:
+        source, backend = ShmSource(run_dir, shm_dir), CopyingBackend()
+        for version in (1, 2, 3):
+            assert written.get(timeout=60) == version
+            loaded = source.sync_into(backend, backend.version, far())
+            assert (loaded.version, loaded.path) == (version, "shm")
+            assert loaded.published_at == pytest.approx(time.time(), abs=30)
+            expect_version(backend.weights, version)
+            assert source.sync_into(backend, backend.version, far()) is None  # nothing newer
+            read.put(version)
+        assert written.get(timeout=30) == "closed"
+        with pytest.raises(PathUnavailable):  # retired, removed: the chain goes on to zmq
+            source.sync_into(backend, backend.version, far())
+        source.close()
+    finally:
+        child.join(timeout=30)
+    assert child.exitcode == 0
+    assert list(shm_dir.iterdir()) == [] and not (run_dir / POINTER_FILE).exists()
+
+
+# ---------------------------------------------------------------- overlapping writes
+
+
+def test_a_read_overlapped_by_a_write_is_discarded_and_read_again(dirs):
+    run_dir, shm_dir = dirs
+    writer = started_writer(run_dir, shm_dir, versions=(1, 2))  # v1 in slot 0, v2 in slot 1
+    held, release = threading.Event(), threading.Event()
+
+    def held_halfway(version):
+        yield "w", tensors(version)["w"]
+        held.set()
+        release.wait(30)
+        yield from list(tensors(version).items())[1:]
+
+    half_done = threading.Thread(target=lambda: None)
+
+    def write_during_the_first_load(load: int) -> None:
+        nonlocal half_done
+        if load == 1:  # the reader holds v2 (slot 1): v3 fills slot 0, v4 starts on slot 1
+            writer.publish(tensors(3), 3)
+            half_done = threading.Thread(target=writer.publish, args=(held_halfway(4), 4))
+            half_done.start()
+            assert held.wait(30)
+
+    source, backend = ShmSource(run_dir, shm_dir), CopyingBackend(write_during_the_first_load)
+    try:
+        loaded = source.sync_into(backend, 0, far())
+        assert loaded.version == 3  # slot 1 is mid-write (odd): the newest complete is v3
+        assert backend.loads == 2 and source.counters["overlaps"] == 1
+        expect_version(backend.weights, 3)
+    finally:
+        release.set()
+        half_done.join(30)
+    assert source.sync_into(backend, 3, far()).version == 4  # finished now
+    expect_version(backend.weights, 4)
+    source.close()
+    writer.close()
+
+
+def test_two_overlapped_reads_in_a_row_raise_a_partial_load(dirs):
+    run_dir, shm_dir = dirs
+    writer = started_writer(run_dir, shm_dir, versions=(1, 2))
+    published = [2]
+
+    def rewrite_both_slots(_load: int) -> None:
+        for _ in range(2):
+            published[0] += 1
+            writer.publish(tensors(published[0]), published[0])
+
+    source, backend = ShmSource(run_dir, shm_dir), CopyingBackend(rewrite_both_slots)
+    with pytest.raises(WeightTransferError, match="rewrote the slot during two loads") as caught:
+        source.sync_into(backend, 0, far())
+    assert caught.value.partial and backend.loads == 2
+    source.close()
+    writer.close()
+
+
+# ---------------------------------------------------------------- what a reader refuses
+
+
+def patch(shm_dir: Path, offset: int, data: bytes) -> None:
+    (segment,) = shm_dir.iterdir()
+    with open(segment, "r+b") as file, mmap.mmap(file.fileno(), 0) as mapped:
+        mapped[offset : offset + len(data)] = data
+
+
+def test_a_corrupted_header_is_refused_naming_it(dirs):
+    run_dir, shm_dir = dirs
+    writer = started_writer(run_dir, shm_dir)
+    patch(shm_dir, 0, b"NOTMAGIC")
+    with pytest.raises(WeightTransferError, match=r"corrupt header.*NOTMAGIC"):
+        ShmSource(run_dir, shm_dir).sync_into(CopyingBackend(), 0, far())
+    writer.close()
+
+
+def test_a_slot_whose_data_is_smaller_than_its_index_says_is_refused(dirs):
+    run_dir, shm_dir = dirs
+    writer = started_writer(run_dir, shm_dir)  # v1 in slot 0
+    # slot 0's data_nbytes (slot header field 6, byte 40) set to 8: 'w' is 24 bytes
+    patch(shm_dir, PAGE + 40, struct.pack("<Q", 8))
+    backend = CopyingBackend()
+    with pytest.raises(WeightTransferError, match="tensor 'w' ends at byte 24, past the slot's 8"):
+        ShmSource(run_dir, shm_dir).sync_into(backend, 0, far())
+    assert backend.loads == 0
+    writer.close()
+
+
+def test_wrong_names_are_refused_before_any_weight_changes(dirs):
+    run_dir, shm_dir = dirs
+    writer = ShmWriter(run_dir, shm_dir)
+    wrong = {"w": tensors(1)["w"], "x": torch.zeros(2)}
+    assert writer.create([_entry(name, tensor) for name, tensor in wrong.items()])
+    writer.publish(wrong, 1)
+    with pytest.raises(WeightTransferError, match=r"missing \['b', 'h'\], extra \['x'\]") as caught:
+        ShmSource(run_dir, shm_dir).sync_into(CopyingBackend(), 0, far())
+    assert not caught.value.partial
+    writer.close()
+
+
+def test_a_segment_others_may_open_is_refused(dirs):
+    run_dir, shm_dir = dirs
+    writer = started_writer(run_dir, shm_dir)
+    ((segment,),) = [list(shm_dir.iterdir())]
+    assert segment.stat().st_mode & 0o777 == 0o600  # created owner-only
+    os.chmod(segment, 0o644)
+    with pytest.raises(WeightTransferError, match="open to others"):
+        ShmSource(run_dir, shm_dir).sync_into(CopyingBackend(), 0, far())
+    writer.close()
+
+
+def test_no_segment_yet_is_unavailable_not_a_failure(dirs):
+    run_dir, shm_dir = dirs
+    with pytest.raises(PathUnavailable):
+        ShmSource(run_dir, shm_dir).sync_into(CopyingBackend(), 0, far())
+    with pytest.raises(PathUnavailable):
+        ShmSource(None, shm_dir).sync_into(CopyingBackend(), 0, far())
+
+
+def test_a_crashed_learners_segment_is_removed_by_the_next_one_of_the_run_dir(dirs):
+    run_dir, shm_dir = dirs
+    crashed = started_writer(run_dir, shm_dir)  # never closed: a crash
+    leftover = shm_dir / crashed.name
+    assert leftover.exists()
+    again = ShmWriter(run_dir, shm_dir)
+    assert not leftover.exists() and not (run_dir / POINTER_FILE).exists()
+    again.close()
+
+
+def test_a_version_that_outgrows_the_slots_retires_the_segment_and_keeps_every_tensor(dirs):
+    run_dir, shm_dir = dirs
+    writer = started_writer(run_dir, shm_dir)
+    bigger = tensors(2) | {"w": torch.arange(4096, dtype=torch.float32)}  # past the page
+    written = dict(writer.publish(bigger, 2))
+    assert writer.retired and set(written) == NAMES
+    assert written["w"].tolist() == list(range(4096)) and written["b"].tolist() == [2, 4]
+    with pytest.raises(PathUnavailable, match="retired"):
+        ShmSource(run_dir, shm_dir).sync_into(CopyingBackend(), 0, far())
+    writer.close()
+
+
+def test_the_learners_publish_goes_to_shared_memory_and_to_zeromq_from_it(dirs):
+    from asyncrl.weights import WeightPublisher
+    from asyncrl.weights.shm_publisher import ShmPublisher
+
+    run_dir, shm_dir = dirs
+    sink = ShmPublisher(WeightPublisher("tcp://127.0.0.1:*"), ShmWriter(run_dir, shm_dir))
+    try:
+        for version in (1, 2, 3):  # v1 sizes the segment (zmq first), v2 and v3 stream in
+            assert sink.publish(iter(tensors(version).items()), version) >= 0.0
+            backend = CopyingBackend()
+            assert ShmSource(run_dir, shm_dir).sync_into(backend, 0, far()).version == version
+            expect_version(backend.weights, version)
+        sink._wait_for_copy()  # the ZeroMQ copy runs beside training
+        snapshot = sink.zmq.snapshots.newest()
+        served = dict(zip([e.name for e in snapshot.tensors], snapshot.buffers, strict=True))
+        assert snapshot.version == 3
+        expect_version(served, 3)
+        assert sink.stats()["weights_shm_published_total"] == 3.0
+    finally:
+        sink.close()
+    assert list(shm_dir.iterdir()) == []

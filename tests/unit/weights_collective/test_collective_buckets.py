@@ -1,0 +1,159 @@
+"""Buckets and headers of the collective path: the layout by hand, forged headers refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrl.messages import TensorEntry
+from asyncrl.weights.collective_buckets import (
+    Ask,
+    Bucket,
+    BucketTensor,
+    Offer,
+    Spec,
+    UpToDate,
+    check_offer,
+    plan_buckets,
+    seal,
+    unseal,
+)
+from asyncrl.weights.collective_receiver import bucket_views
+from asyncrl.weights.source import WeightTransferError
+
+KEY = b"k" * 32
+
+
+def entries() -> list[TensorEntry]:
+    """a f32 (2,3) = 24 B, b bf16 (4,) = 8 B, c f32 (5,) = 20 B, d f32 (10,) = 40 B."""
+    return [
+        TensorEntry("a", "float32", (2, 3), 0, 24),
+        TensorEntry("b", "bfloat16", (4,), 24, 8),
+        TensorEntry("c", "float32", (5,), 32, 20),
+        TensorEntry("d", "float32", (10,), 52, 40),
+    ]
+
+
+def test_plan_packs_one_dtype_per_bucket_in_index_order_up_to_bucket_bytes():
+    # 48 bytes: a (24) + c (20) = 44 fit; d (40) would make 84, so it opens a new bucket
+    plan = plan_buckets(entries(), 48)
+    assert [(bucket.dtype, bucket.nbytes, indices) for bucket, indices in plan] == [
+        ("float32", 44, [0, 2]),
+        ("bfloat16", 8, [1]),
+        ("float32", 40, [3]),
+    ]
+    assert plan[0][0].tensors == (BucketTensor("a", (2, 3), 0), BucketTensor("c", (5,), 24))
+
+
+def test_a_tensor_larger_than_a_bucket_is_a_bucket_of_its_own():
+    plan = plan_buckets(entries(), 16)  # every f32 tensor is over 16 bytes
+    # a bucket goes out when the next tensor of its dtype does not fit; the ones still
+    # open at the end go in the order they were opened (bf16 at b, f32 again at d)
+    assert [(b.nbytes, [t.name for t in b.tensors]) for b, _ in plan] == [
+        (24, ["a"]),
+        (20, ["c"]),
+        (8, ["b"]),
+        (40, ["d"]),
+    ]
+
+
+def offer(version: int = 3) -> Offer:
+    return Offer(version, 12.5, tuple(bucket for bucket, _ in plan_buckets(entries(), 48)))
+
+
+EXPECTED = {
+    "a": Spec((2, 3), "float32"),
+    "b": Spec((4,), "bfloat16"),
+    "c": Spec((5,), None),
+    "d": Spec(None, None),
+}
+
+
+def test_a_consistent_offer_is_accepted():
+    check_offer(offer(), 2, EXPECTED, set(), 48)
+    check_offer(offer(), 2, None, set(), 48)  # names unknown here: the engine checks them
+
+
+def forged(buckets) -> Offer:
+    return Offer(3, 0.0, tuple(buckets))
+
+
+F32 = "float32"
+
+
+@pytest.mark.parametrize(
+    ("bad", "expected", "says"),
+    [
+        (forged([Bucket(F32, 24, (BucketTensor("a", (2, 3), 4),))]), None, "at byte 4, not 0"),
+        (forged([Bucket(F32, 28, (BucketTensor("a", (2, 3), 0),))]), None, "says 28 bytes"),
+        (forged([Bucket("complex64", 24, (BucketTensor("a", (2, 3), 0),))]), None, "dtype"),
+        (forged([Bucket(F32, 4, (BucketTensor("a", (-1,), 0),))]), None, "shape (-1,)"),
+        (
+            forged([Bucket(F32, 48, (BucketTensor("a", (6,), 0), BucketTensor("a", (6,), 24)))]),
+            None,
+            "sent twice",
+        ),
+        (
+            forged([Bucket(F32, 64, (BucketTensor("x", (8,), 0), BucketTensor("y", (8,), 32)))]),
+            None,
+            "over 48",
+        ),
+        (forged([Bucket(F32, 4, (BucketTensor("zz", (1,), 0),))]), EXPECTED, "not one of"),
+        (forged([Bucket(F32, 24, (BucketTensor("a", (3, 2), 0),))]), EXPECTED, "expected (2, 3)"),
+        (forged([Bucket("float16", 12, (BucketTensor("a", (2, 3), 0),))]), EXPECTED, "is float16"),
+        (forged([Bucket(F32, 24, (BucketTensor("a", (2, 3), 0),))]), EXPECTED, "missing ['b', 'c'"),
+    ],
+)
+def test_a_forged_offer_is_refused_naming_the_problem(bad, expected, says):
+    with pytest.raises(WeightTransferError, match="refused v3") as refused:
+        check_offer(bad, 2, expected, set(), 48)
+    assert says in str(refused.value)
+
+
+def test_an_offer_not_newer_than_the_held_version_is_refused():
+    with pytest.raises(WeightTransferError, match="not newer than v3"):
+        check_offer(offer(3), 3, EXPECTED, set(), 48)
+
+
+def test_an_optional_tensor_may_be_missing():
+    without_d = Offer(3, 0.0, offer().buckets[:2])
+    check_offer(without_d, 2, EXPECTED, {"d"}, 48)
+    with pytest.raises(WeightTransferError, match=r"missing \['d'\]"):
+        check_offer(without_d, 2, EXPECTED, set(), 48)
+
+
+def test_a_sealed_message_opens_only_with_its_key_and_context():
+    data = seal(Ask(7), KEY, "ask:1:0")
+    assert unseal(data, KEY, "ask:1:0", Ask) == Ask(7)
+    with pytest.raises(WeightTransferError, match="forged or misdirected"):
+        unseal(data, b"x" * 32, "ask:1:0", Ask)  # another run's key
+    with pytest.raises(WeightTransferError, match="forged or misdirected"):
+        unseal(data, KEY, "ask:1:1", Ask)  # replayed to the next ask
+    flipped = data[:-1] + bytes([data[-1] ^ 1])
+    with pytest.raises(WeightTransferError, match="forged or misdirected"):
+        unseal(flipped, KEY, "ask:1:0", Ask)
+    with pytest.raises(WeightTransferError, match="got Ask"):
+        unseal(data, KEY, "ask:1:0", Offer | UpToDate)
+    with pytest.raises(WeightTransferError, match="a 3-byte message"):
+        unseal(b"abc", KEY, "ask:1:0", Ask)
+
+
+def test_without_a_key_messages_still_decode_strictly():
+    data = seal(UpToDate(4), None, "reply:0:0")
+    assert unseal(data, None, "reply:0:0", UpToDate) == UpToDate(4)
+    with pytest.raises(WeightTransferError, match="malformed"):
+        unseal(bytes(32) + b"\x93\x01\x02", None, "reply:0:0", UpToDate)
+
+
+def test_bucket_views_read_each_tensor_where_the_header_puts_it():
+    a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    c = torch.tensor([10.0, 11, 12, 13, 14])
+    flat = torch.cat([a.reshape(-1).view(torch.uint8), c.view(torch.uint8)])  # 24 + 20 bytes
+    b = torch.tensor([1.5, -2.0, 0.25, 8.0], dtype=torch.bfloat16)
+    d = torch.arange(10, dtype=torch.float32) * -1
+    buckets = [flat, b.view(torch.uint8), d.view(torch.uint8)]
+    views = bucket_views(offer(), buckets)
+    assert torch.equal(views["a"], a) and torch.equal(views["c"], c)
+    assert views["b"].dtype == torch.bfloat16 and torch.equal(views["b"], b)
+    assert torch.equal(views["d"], d)
+    assert views["c"].data_ptr() == flat.data_ptr() + 24  # a view, not a copy

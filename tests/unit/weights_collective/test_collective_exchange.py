@@ -1,0 +1,89 @@
+"""Learner and replica in two processes exchange two versions over a gloo group."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections import Counter
+
+import pytest
+import torch
+from collective_testing import KEY, replica_main, version_tensors
+
+from asyncrl.weights.collective import JOIN_QUEUE, connect_store
+from asyncrl.weights.collective_buckets import JoinRequest, seal
+from asyncrl.weights.collective_sender import CollectiveSender
+from asyncrl.weights.snapshot import SnapshotStore
+
+BUCKET_BYTES = 256  # the 16-wide model's 4 float32 tensors (32 + 512 + 256 + 16 bytes) and bf16
+
+
+def ask(pipe, *command):
+    pipe.send(command)
+    assert pipe.poll(60), f"the replica did not answer {command}"
+    reply = pipe.recv()
+    assert reply[0] == "ok", reply
+    return reply[1:]
+
+
+@pytest.fixture
+def sender():
+    snapshots = SnapshotStore(1 << 20, Counter())
+    made = CollectiveSender(
+        snapshots, "127.0.0.1", 0, KEY, bucket_bytes=BUCKET_BYTES, deadline_s=30.0
+    )
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def replica(sender):
+    context = multiprocessing.get_context("spawn")
+    here, there = context.Pipe()
+    process = context.Process(
+        target=replica_main, args=(sender.address, KEY, BUCKET_BYTES, 16, there), daemon=True
+    )
+    process.start()
+    yield here
+    here.send(("stop",))
+    process.join(30)
+    if process.is_alive():
+        process.kill()
+
+
+@pytest.mark.timeout(180)
+def test_two_versions_reach_the_replica_exactly_and_nothing_when_up_to_date(sender, replica):
+    assert ask(replica, "sync", 30.0) == (None, 0)  # joins; nothing published yet
+    for version in (1, 2):
+        sender.snapshots.publish(version_tensors(version), version)
+        assert ask(replica, "sync", 30.0) == (version, version)
+        state, held = ask(replica, "params")
+        assert held == version
+        expected = version_tensors(version)
+        assert set(state) == set(expected)
+        for name, tensor in expected.items():
+            assert state[name].dtype == tensor.dtype
+            assert torch.equal(state[name], tensor), name  # bit for bit
+    assert ask(replica, "sync", 30.0) == (None, 2)  # up to date
+    stats = sender.stats()
+    total = sum(t.numel() * t.element_size() for t in version_tensors(1).values())
+    assert stats["weights_collective_joins_accepted_total"] == 1
+    assert stats["weights_collective_transfers_finished_total"] == 2
+    assert stats["weights_collective_bytes_sent_total"] == 2 * total
+    assert stats["weights_collective_members"] == 1
+    assert "weights_collective_deadline_missed_total" not in stats
+
+
+@pytest.mark.timeout(60)
+def test_a_join_request_signed_with_another_key_is_refused_and_counted(sender):
+    client = connect_store(sender.address, 5.0)
+    forged = seal(JoinRequest("intruder", "0" * 32, 2), b"not the run's key", "join")
+    client.queue_push(JOIN_QUEUE, forged)
+    for _ in range(100):
+        if sender.stats().get("weights_collective_joins_refused_total"):
+            break
+        time.sleep(0.05)
+    stats = sender.stats()
+    assert stats["weights_collective_joins_refused_total"] == 1
+    assert stats["weights_collective_members"] == 0
+    assert not client.check(["asyncrl/accept/" + "0" * 32])  # nothing answered
