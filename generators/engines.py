@@ -38,13 +38,7 @@ def build_backend(
     if generators.backend == "vllm":
         from asyncrl.generators.vllm_backend import VLLMBackend
 
-        extension = {}
-        if config.weights.transport == "collective":  # the workers join the weight group
-            extension["worker_extension_cls"] = (
-                "asyncrl.generators.vllm_weight_sync.CollectiveWeightExtension"
-            )
         return VLLMBackend.from_model(
-            model, tokenizer, generators, work_dir, dtype=config.model.dtype, seed=seed,
-            **extension,
-        )  # fmt: skip
+            model, tokenizer, generators, work_dir, dtype=config.model.dtype, seed=seed
+        )
     raise ValueError(f"unknown generators.backend {generators.backend!r}")

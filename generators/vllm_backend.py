@@ -73,6 +73,16 @@ from asyncrl.generators.backend import Rollout, StopStrings, append_tokens, chec
 log = logging.getLogger("asyncrl.generators.vllm")
 
 
+WORKER_EXTENSION = "asyncrl.generators.vllm_weight_sync.CollectiveWeightExtension"
+"""The one ``worker_extension_cls`` of every engine, whatever ``weights.transport`` says.
+
+In process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as the tests run it) vLLM
+mixes the extension into its worker class for good, and refuses a second
+engine whose different extension repeats a method name: one class for every
+engine, so a replica on any path, or falling back to another, starts.
+"""
+
+
 class WeightLoaderExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``): in-place weight reloads."""
 
@@ -167,10 +177,6 @@ class VLLMBackend:
         self.last_load_s = 0.0
         self.parameter_names = set(parameter_names)
         self.tied = tied
-        # weights.transport=collective: engines.py names vllm_weight_sync's extension
-        self._extension = engine_kwargs.pop(
-            "worker_extension_cls", f"{__name__}.WeightLoaderExtension"
-        )
         self._request_ids = itertools.count()
         self._lock = threading.Lock()
         self._running: dict[int, str] = {}  # id(rollout) -> request id, for the chunk running
@@ -185,7 +191,7 @@ class VLLMBackend:
             max_model_len=max_model_len,
             logprobs_mode="processed_logprobs",
             generation_config="vllm",
-            worker_extension_cls=self._extension,
+            worker_extension_cls=WORKER_EXTENSION,
             **engine_kwargs,
         )
         self.engine = self.llm.llm_engine
@@ -349,11 +355,10 @@ class VLLMBackend:
 
     @property
     def in_place_weights(self):
-        """The collective path's route into the workers: ``VLLMInPlace`` of the module of the
-        extension the engine runs (``generators/vllm_weight_sync.py``, which imports this
-        one); None with the default extension."""
-        if self._in_place is None and self._extension.endswith(".CollectiveWeightExtension"):
-            module = importlib.import_module(self._extension.rpartition(".")[0])
+        """The collective path's route into the workers: ``VLLMInPlace`` of the module of
+        :data:`WORKER_EXTENSION` (``generators/vllm_weight_sync.py``, which imports this one)."""
+        if self._in_place is None:
+            module = importlib.import_module(WORKER_EXTENSION.rpartition(".")[0])
             self._in_place = module.VLLMInPlace(self)
         return self._in_place
 

@@ -1,9 +1,9 @@
 """vLLM's side of the collective weight path: the engine's workers join the group, load in place.
 
-With ``weights.transport: collective`` the engine is started with
-:class:`CollectiveWeightExtension` as its ``worker_extension_cls`` (what verl,
-NeMo-RL and TRL do too), so every worker gains three methods, called through
-``collective_rpc``:
+Every engine is started with :class:`CollectiveWeightExtension` as its
+``worker_extension_cls`` (``vllm_backend.WORKER_EXTENSION``; what verl, NeMo-RL
+and TRL do too), so every worker gains three methods beside the file and
+in-memory loads, called through ``collective_rpc`` on the collective path:
 
 - ``asyncrl_join_group``: the worker connects to the learner's group store and
   becomes rank ``1 + its rank`` of the group the replica was granted
@@ -50,8 +50,6 @@ from asyncrl.weights.source import WeightTransferError
 if TYPE_CHECKING:
     from asyncrl.generators.vllm_backend import VLLMBackend
 
-EXTENSION = f"{__name__}.CollectiveWeightExtension"
-"""The ``worker_extension_cls`` of an engine on the collective path."""
 _IN_PROCESS = "worker"
 """The signing context of an offer handed to the workers (no key: the generator checked it)."""
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import GeneratorsConfig, ModelConfig, TinyModelConfig
+from asyncrl.config import Config, GeneratorsConfig, ModelConfig, TinyModelConfig, WeightsConfig
 from asyncrl.generators.backend import Rollout
+from asyncrl.generators.engines import build_backend
 from asyncrl.models import build_policy
 from asyncrl.weights.collective_receiver import CollectiveSource
 from asyncrl.weights.collective_sender import CollectiveSender
@@ -45,17 +46,20 @@ def greedy(backend, prompts: list[list[int]]) -> list[list[int]]:
     return [r.response_ids for r in rollouts]
 
 
+def engine_config(transport: str) -> Config:
+    sampling = GeneratorsConfig(backend="vllm", top_k=1, max_new_tokens=12, chunk_tokens=8)
+    return Config(model=MODEL, generators=sampling, weights=WeightsConfig(transport=transport))
+
+
 @pytest.mark.timeout(600)
 def test_a_broadcast_into_the_vllm_engine_changes_its_greedy_generation(tmp_path):
-    from asyncrl.generators.vllm_backend import VLLMBackend
-
     model, tokenizer = build_policy(MODEL, seed=0)
     base = {name: t.detach().clone() for name, t in model.state_dict().items()}
-    sampling = GeneratorsConfig(backend="vllm", top_k=1, max_new_tokens=12, chunk_tokens=8)
-    backend = VLLMBackend.from_model(
-        model, tokenizer, sampling, tmp_path, seed=0, block_size=32,
-        worker_extension_cls="asyncrl.generators.vllm_weight_sync.CollectiveWeightExtension",
-    )  # fmt: skip
+    # an engine on the zmq path first, in this process: vLLM mixes the worker
+    # extension into its worker class for good, and a second engine with
+    # another extension was refused (every engine now gets the same one)
+    build_backend(engine_config("zmq"), model, tokenizer, tmp_path / "zmq").close()
+    backend = build_backend(engine_config("collective"), model, tokenizer, tmp_path / "collective")
     sender = CollectiveSender(
         SnapshotStore(1 << 20, Counter()), "127.0.0.1", 0, KEY,
         bucket_bytes=BUCKET_BYTES, deadline_s=60.0,
