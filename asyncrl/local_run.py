@@ -291,6 +291,12 @@ class Supervisor(Supervision):
         _kill_all(descendants)
         if self.store_dir is not None:
             shutil.rmtree(self.store_dir, ignore_errors=True)
+        # a learner that died (or was killed) left its weights segment in /dev/shm:
+        # memory the size of two policies, held until someone removes the file
+        from asyncrl.weights.shm_writer import remove_leftover
+
+        with contextlib.suppress(OSError):  # a run dir gone or read-only: nothing to do
+            remove_leftover(self.run_dir)
 
     def all_processes(self) -> list[subprocess.Popen]:
         """Every process started, each learner rank on its own."""

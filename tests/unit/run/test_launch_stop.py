@@ -149,3 +149,20 @@ def test_a_failed_run_on_a_full_disk_says_so(tmp_path, monkeypatch, free_mib, sa
     message = closing.closing_message(tmp_path, 1, "learner exited with status 1", 3.0)
     assert ("No space left on device" in message) is said
     assert message.startswith("asyncrl: run failed: learner exited with status 1")
+
+
+def test_the_stop_removes_the_weights_segment_a_killed_learner_left(tmp_path: Path) -> None:
+    from asyncrl.weights.shm import POINTER_FILE, SHM_DIR
+    from asyncrl.weights.shm_writer import ShmWriter
+
+    writer = ShmWriter(tmp_path)  # the learner's writer, as rank 0 makes it
+    assert writer.create([]) or pytest.skip("no writable /dev/shm here")
+    writer._map.close()  # the learner is killed: nothing of its close() runs
+    segment = SHM_DIR / writer.name
+    try:
+        assert segment.exists() and (tmp_path / POINTER_FILE).exists()
+        Supervisor(config(), tmp_path).stop_all()  # nothing running: only the clean-up
+        assert not segment.exists()
+        assert not (tmp_path / POINTER_FILE).exists()
+    finally:
+        segment.unlink(missing_ok=True)  # this test's own, even when it fails
