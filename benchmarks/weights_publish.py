@@ -1,49 +1,42 @@
-"""Weight publishing: bandwidth to 1 and 4 subscribers, and the learner's stall per publish.
+"""Weight sync by each path (zmq, shm, collective) against a memory copy, and the learner's stall.
 
     .venv/bin/python benchmarks/weights_publish.py            # full run, writes docs
-    .venv/bin/python benchmarks/weights_publish.py --quick    # 10M only, under 30 s
+    .venv/bin/python benchmarks/weights_publish.py --quick    # 10M, all paths, under a minute
     .venv/bin/python benchmarks/weights_publish.py --render docs/benchmarks/weights_publish.json
 
-For synthetic llama-shaped models of about 10M, 100M and 500M fp32 parameters,
-a learner-side process publishes with :class:`asyncrl.weights.WeightPublisher`
-and subscriber processes fetch over loopback TCP with
-:class:`asyncrl.weights.WeightClient`, exactly as generators do. Measured in
-the same run, side by side:
+Models: synthetic llama-shaped fp32 models of about 100M and 500M parameters,
+and the real policy, SmolLM2-135M-Instruct (its own tensors, read from
+``models/SmolLM2-135M-Instruct``). For each model and each path
+(``weights_paths.py`` says how a path is driven, exactly as a run drives it),
+measured in the same run, side by side:
 
-- memcpy: ``dst.copy_(src)`` of the same tensors into preallocated buffers (warm
-  memory), and ``src.clone()`` (fresh memory, page faults included);
-- 1 subscriber: the time of ``fetch_newer`` (manifest, chunks, checks, tensors
-  rebuilt in fresh memory), as GB/s of weights delivered;
-- 4 subscribers fetching at once: per-subscriber GB/s and aggregate GB/s
-  (4 x bytes / wall time from the first start to the last finish);
-- stall: the seconds ``publish`` blocks the learner (the copy into the snapshot),
-  the first publish of a shape (fresh buffers) and later ones (buffers reused),
-  against the step time of the same model measured in the same run: forward and
-  backward of one ``--tokens``-token sequence through the llama-shaped layers
-  (single-head causal attention, SwiGLU MLP, RMSNorm, untied head) plus a fused
-  AdamW update of every parameter;
-- overlap (models up to ``--overlap-max-params``): that step timed while the
-  4 subscribers fetch, against the step alone.
+- memcpy: ``dst.copy_(src)`` of the same tensors into warm preallocated buffers,
+  before the paths and again after them (the drift between the two is shown);
+- publish to loaded: from the learner's ``publish`` call to the last replica's
+  tensors loaded into a module of the policy's shapes (``sync_into`` of the
+  path's source into a stand-in of the HF backend, ``load_state_dict``), with
+  one and with ``--replicas`` replicas, as GB/s (replicas x bytes / seconds) and
+  as a ratio to memcpy; also the replica's own ``sync_into`` time;
+- stall: the seconds ``publish`` blocks the learner, as a multiple of the
+  memcpy of the policy and as a share of a training step of the same model
+  (synthetic: forward and backward of one ``--tokens``-token sequence through
+  the llama-shaped layers plus a fused AdamW update; real: the HF model's
+  forward and backward of ``--tokens`` tokens plus a fused AdamW update).
 
-Each subscriber checks the bytes it got against the learner's (crc32 of the
-whole stream) on its first fetch of each model, on top of the per-chunk checks
-the client always makes, then drops the tensors: 4 subscribers never hold 4
-copies of the 500M model at once beyond one fetch.
+Every replica's loaded bytes are checked against the learner's (crc32 of the
+whole state dict) on the first publish of each path and model.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
+import gc
 import json
 import math
-import multiprocessing as mp
 import statistics
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import torch
@@ -55,9 +48,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import common  # noqa: E402  (benchmarks/ is not a package: found on sys.path)
+from weights_paths import PATHS, Replicas, measure_path, raw_gloo_gbps, trim_memory  # noqa: E402
 
-from asyncrl.transport import free_port, tcp  # noqa: E402
-from asyncrl.weights import DEFAULT_CHUNK_BYTES, WeightClient, WeightPublisher  # noqa: E402
+from asyncrl.weights import DEFAULT_CHUNK_BYTES  # noqa: E402
 
 GB = 1e9
 SIZES = {  # name: (hidden, layers, vocab)
@@ -76,22 +69,10 @@ LAYER_WEIGHTS = (
     "mlp.up",
     "mlp.down",
 )
+REAL = "SmolLM2-135M"
+REAL_DIR = ROOT / "models" / "SmolLM2-135M-Instruct"
 DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Weight publishing: bandwidth and learner stall"
-
-
-def trim_memory() -> None:
-    """Hand freed heap memory back to the OS, so idle subscribers do not hold a model."""
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def stream_crc(tensors) -> int:
-    crc = 0
-    for tensor in tensors:
-        if tensor.numel():
-            crc = zlib.crc32(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()), crc)
-    return crc
 
 
 # --------------------------------------------------------------------------
@@ -166,224 +147,126 @@ class Trainer:
         trim_memory()
 
 
-# --------------------------------------------------------------------------
-# subscriber processes
+class RealTrainer:
+    """One training step of the real policy (the HF model): forward, backward, fused AdamW."""
 
+    def __init__(self, params: dict[str, torch.Tensor], tokens: int):
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-def subscriber(conn) -> None:
-    torch.set_num_threads(1)
-    context = zmq.Context()
-    clients: dict[tuple[str, bool], WeightClient] = {}
-    conn.send("ready")
-    while True:
-        command = conn.recv()
-        if command is None:
-            break
-        if command == "reset":  # drop the kept buffers of the last model
-            for key in [key for key in clients if key[1]]:
-                clients.pop(key).close()
-            trim_memory()
-            conn.send("reset")
-            continue
-        endpoint, reuse, start_at, expect_crc = command
-        if (endpoint, reuse) not in clients:
-            clients[endpoint, reuse] = WeightClient(
-                context, endpoint, timeout_s=600.0, reuse_buffers=reuse
-            )
-        client = clients[endpoint, reuse]
-        while time.monotonic() < start_at:
-            time.sleep(0.0005)
-        started = time.monotonic()
-        update = client.fetch_newer(-1)
-        finished = time.monotonic()
-        version, _, state_dict = update
-        nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
-        same = None if expect_crc is None else stream_crc(state_dict.values()) == expect_crc
-        del update, state_dict
-        trim_memory()
-        conn.send((version, started, finished, nbytes, same, client.stats["restarts"]))
-    for client in clients.values():
-        client.close()
-    context.term()
+        config = AutoConfig.from_pretrained(REAL_DIR)
+        self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        self.model.load_state_dict(params, strict=False)  # the head is tied to the embedding
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5, fused=True)
+        self.ids = torch.randint(0, config.vocab_size, (1, tokens), generator=torch.Generator())
 
-
-class Subscribers:
-    def __init__(self, count: int):
-        spawn = mp.get_context("spawn")
-        self.conns, self.processes = [], []
-        for _ in range(count):
-            ours, theirs = spawn.Pipe()
-            process = spawn.Process(target=subscriber, args=(theirs,), daemon=True)
-            process.start()
-            self.conns.append(ours)
-            self.processes.append(process)
-        for conn in self.conns:
-            assert conn.recv() == "ready"
-
-    def start(self, count: int, endpoint: str, reuse: bool, expect_crc: int | None) -> list:
-        start_at = time.monotonic() + 0.05
-        for conn in self.conns[:count]:
-            conn.send((endpoint, reuse, start_at, expect_crc))
-        return self.conns[:count]
-
-    def fetch(self, count: int, endpoint: str, reuse: bool, expect_crc: int | None) -> dict:
-        conns = self.start(count, endpoint, reuse, expect_crc)
-        return summarise([conn.recv() for conn in conns])
-
-    def reset(self) -> None:
-        for conn in self.conns:
-            conn.send("reset")
-        for conn in self.conns:
-            assert conn.recv() == "reset"
+    def step(self) -> tuple[float, float]:
+        start = time.perf_counter()
+        self.model(input_ids=self.ids, labels=self.ids).loss.backward()
+        update = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        end = time.perf_counter()
+        return end - start, end - update
 
     def close(self) -> None:
-        for conn in self.conns:
-            conn.send(None)
-        for process in self.processes:
-            process.join(timeout=10)
+        self.model = self.optimizer = None
+        trim_memory()
 
 
-def summarise(replies: list) -> dict:
-    nbytes = replies[0][3]
-    wall = max(r[2] for r in replies) - min(r[1] for r in replies)
-    if any(r[4] is False for r in replies):
-        raise AssertionError("a subscriber got bytes that differ from the learner's")
-    return {
-        "aggregate_gbps": len(replies) * nbytes / wall / GB,
-        "per_subscriber_gbps": statistics.mean(nbytes / (r[2] - r[1]) / GB for r in replies),
-        "verified": any(r[4] for r in replies),
-        "restarts": sum(r[5] for r in replies),
-    }
+def real_params() -> dict[str, torch.Tensor]:
+    """The real policy's tensors, as the learner would publish them (fp32, tied head left out)."""
+    from safetensors.torch import load_file
+
+    return {name: t.contiguous() for name, t in load_file(REAL_DIR / "model.safetensors").items()}
 
 
 # --------------------------------------------------------------------------
 # the measurements
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
-def memcpy_rates(tensors: list[torch.Tensor], repeats: int) -> tuple[float, float]:
+def memcpy_runs(tensors: list[torch.Tensor], repeats: int) -> list[float]:
+    """GB/s of ``copy_`` of ``tensors`` into warm preallocated buffers, ``repeats`` times."""
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     targets = [torch.empty_like(t) for t in tensors]
     for target, tensor in zip(targets, tensors, strict=True):  # touch the pages once
         target.copy_(tensor)
-    warm, fresh = [], []
+    runs = []
     for _ in range(repeats):
         start = time.perf_counter()
         for target, tensor in zip(targets, tensors, strict=True):
             target.copy_(tensor)
-        warm.append(nbytes / (time.perf_counter() - start) / GB)
+        runs.append(nbytes / (time.perf_counter() - start) / GB)
     del targets
     trim_memory()
-    for _ in range(repeats):
-        start = time.perf_counter()
-        clones = [t.clone() for t in tensors]
-        fresh.append(nbytes / (time.perf_counter() - start) / GB)
-        del clones
-        trim_memory()
-    return median(warm), median(fresh)
+    return runs
 
 
-def run_size(name, shape, args, publisher, subscribers, version) -> tuple[dict, int]:
-    hidden, layers, vocab = shape
+def model_params(name: str) -> tuple[dict[str, torch.Tensor], object]:
+    """The tensors of model ``name`` and a trainer of one step over them."""
+    if name == REAL:
+        params = real_params()
+        return params, lambda tokens: RealTrainer(params, tokens)
+    hidden, layers, vocab = SIZES[name]
     params = build_model(hidden, layers, vocab)
+    return params, lambda tokens: Trainer(params, layers, vocab, tokens)
+
+
+def run_model(name: str, args, replicas: Replicas, version: int) -> tuple[dict, int]:
+    params, make_trainer = model_params(name)
     tensors = list(params.values())
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     count = sum(t.numel() for t in tensors)
-    print(f"[{name}] {count / 1e6:.1f}M parameters, {nbytes / GB:.2f} GB", flush=True)
-    result = {"model": name, "params": count, "bytes": nbytes, "shape": shape}
+    print(f"[{name}] {count / 1e6:.1f}M parameters, {nbytes / GB:.3f} GB", flush=True)
+    result = {"model": name, "params": count, "bytes": nbytes, "tensors": len(tensors)}
 
-    # training step alone
-    trainer = Trainer(params, layers, vocab, args.tokens)
+    trainer = make_trainer(args.tokens)
     trainer.step()  # optimizer state, first touch
     steps = [trainer.step() for _ in range(args.steps)]
-    result["step_s"] = median([s for s, _ in steps])
-    result["optimizer_s"] = median([u for _, u in steps])
+    trainer.close()
+    del trainer
+    for tensor in params.values():
+        tensor.requires_grad_(False)
+    result["step_s"] = statistics.median(s for s, _ in steps)
+    result["optimizer_s"] = statistics.median(u for _, u in steps)
     print(f"  step {result['step_s']:.3f}s (AdamW {result['optimizer_s']:.3f}s)", flush=True)
-    overlap = count <= args.overlap_max_params
-    if not overlap:
-        trainer.close()
 
-    # plain memory copy of the same bytes
-    result["memcpy_gbps"], result["clone_gbps"] = memcpy_rates(tensors, max(3, args.repeats))
+    before = memcpy_runs(tensors, args.memcpy_repeats)
+    counts = sorted({1, args.replicas if nbytes <= args.many_max_bytes else 1})
+    shapes = [(n, tuple(t.shape), t.dtype) for n, t in params.items()]
+    replicas.ask(max(counts), ("model", shapes))
+    result["paths"] = {}
+    for path in args.paths.split(","):
+        result["paths"][path], version = measure_path(
+            path,
+            params,
+            replicas,
+            counts,
+            repeats=args.repeats,
+            warmups=args.warmups,
+            version=version,
+            bucket_bytes=args.bucket_mib << 20,
+            chunk_bytes=args.chunk_mib << 20,
+        )
+        gc.collect()  # the path's snapshots and buffers, before the next one allocates its own
+        trim_memory()
+    replicas.ask(max(counts), ("model", []))  # the replicas drop this model
+    if "collective" in result["paths"]:
+        raw = raw_gloo_gbps(nbytes, args.bucket_mib << 20, args.memcpy_repeats)
+        result["gloo_raw_gbps"], result["gloo_raw_runs"] = statistics.median(raw), raw
+        print(f"  bare gloo broadcast {result['gloo_raw_gbps']:.2f} GB/s", flush=True)
+    after = memcpy_runs(tensors, args.memcpy_repeats)
+    result["memcpy_before_gbps"] = statistics.median(before)
+    result["memcpy_after_gbps"] = statistics.median(after)
+    result["memcpy_gbps"] = statistics.median(before + after)
+    result["memcpy_s"] = nbytes / result["memcpy_gbps"] / GB
     print(
-        f"  memcpy {result['memcpy_gbps']:.2f} GB/s, clone {result['clone_gbps']:.2f}", flush=True
-    )
-
-    # publish: the first of this shape allocates; later ones reuse the buffers two back
-    stalls = []
-    version += 1
-    stalls.append(publisher.publish(((n, t.detach()) for n, t in params.items()), version))
-    expect = stream_crc(tensors)
-
-    for count_subs in (1, args.subscribers):
-        # A reusing client's first fetch fills fresh buffers, like any fetch of a plain
-        # client: it counts as a fresh run; its later fetches are the reused runs.
-        # The bytes are checked against the learner's on the first run of each kind.
-        fresh = [
-            subscribers.fetch(count_subs, publisher.endpoint, False, expect if i == 0 else None)
-            for i in range(args.repeats - 1)
-        ]
-        reused = [
-            subscribers.fetch(count_subs, publisher.endpoint, True, expect if i < 2 else None)
-            for i in range(args.repeats + 1)
-        ]
-        for reuse, runs in ((False, fresh + reused[:1]), (True, reused[1:])):
-            key = ("one" if count_subs == 1 else "many") + ("_reused" if reuse else "")
-            result[key] = {
-                "subscribers": count_subs,
-                "reuse_buffers": reuse,
-                "aggregate_gbps": median([r["aggregate_gbps"] for r in runs]),
-                "per_subscriber_gbps": median([r["per_subscriber_gbps"] for r in runs]),
-                "runs_aggregate_gbps": [r["aggregate_gbps"] for r in runs],
-                "restarts": sum(r["restarts"] for r in runs),
-            }
-            print(
-                f"  {count_subs} subscriber(s){' reusing buffers' if reuse else ''}: "
-                f"{result[key]['aggregate_gbps']:.2f} GB/s aggregate, "
-                f"{result[key]['per_subscriber_gbps']:.2f} per subscriber",
-                flush=True,
-            )
-    subscribers.reset()
-
-    for _ in range(args.publishes):
-        version += 1
-        stalls.append(publisher.publish(((n, t.detach()) for n, t in params.items()), version))
-    result["stall_cold_s"] = max(stalls[:2])
-    result["stall_warm_s"] = median(stalls[2:]) if len(stalls) > 2 else stalls[-1]
-    result["stalls_s"] = stalls
-    result["stall_fraction"] = result["stall_warm_s"] / result["step_s"]
-    result["stall_cold_fraction"] = result["stall_cold_s"] / result["step_s"]
-    print(
-        f"  stall cold {result['stall_cold_s']:.3f}s, warm {result['stall_warm_s']:.3f}s "
-        f"({100 * result['stall_fraction']:.1f}% of a step)",
+        f"  memcpy {result['memcpy_before_gbps']:.2f} GB/s before, "
+        f"{result['memcpy_after_gbps']:.2f} after",
         flush=True,
     )
-
-    if overlap:  # train while the subscribers fetch the latest version
-        conns = subscribers.start(args.subscribers, publisher.endpoint, False, None)
-        during, replies, start = [], [], time.perf_counter()
-        while len(replies) < len(conns):
-            during.append(trainer.step()[0])
-            replies += [conn.recv() for conn in conns if conn.poll()]
-        trainer.close()
-        served = summarise(replies)
-        result["overlap"] = {
-            "steps": len(during),
-            "step_s": statistics.mean(during),
-            "slowdown": statistics.mean(during) / result["step_s"],
-            "aggregate_gbps": served["aggregate_gbps"],
-            "wall_s": time.perf_counter() - start,
-        }
-        print(
-            f"  overlap: {len(during)} steps at {result['overlap']['step_s']:.3f}s "
-            f"(x{result['overlap']['slowdown']:.2f}) while serving at "
-            f"{served['aggregate_gbps']:.2f} GB/s",
-            flush=True,
-        )
     del params, tensors
+    trim_memory()
     return result, version
 
 
@@ -396,117 +279,233 @@ def machine() -> dict:
     }
 
 
+GOALS = {"shm": 0.5, "collective": 0.3}
+"""Issue 18's goals: publish to loaded against memcpy, one replica (collective: gloo here)."""
+STALL_GOAL = 1.2
+"""... and the learner's stall per publish, in memcpys of the policy."""
+
+
+def ratio(result: dict, path: str, count: int, key: str = "loaded_gbps") -> float | None:
+    run = result["paths"].get(path, {}).get(f"replicas_{count}")
+    return None if run is None else run[key] / result["memcpy_gbps"]
+
+
 def markdown(report: dict) -> str:
     m, cfg = report["machine"], report["config"]
+    many = cfg["replicas"]
     lines = [
         f"Machine: {m['cpu']}, {m['nproc']} cores, {m['memory_gib']} GiB, shared with other "
-        f"work (load average {m['loadavg_start'][0]:.1f} at the start); Python "
-        f"{m['python']}, torch {m['torch']} ({m['torch_threads']} threads), pyzmq "
-        f"{m['pyzmq']} / libzmq {m['libzmq']}. Loopback TCP, learner and subscribers on "
-        f"the same cores.",
+        f"work (load average {m['loadavg_start'][0]:.1f} at the start, "
+        f"{m.get('loadavg_end', [float('nan')])[0]:.1f} at the end); Python {m['python']}, "
+        f"torch {m['torch']} ({m['torch_threads']} thread in the learner, 1 per replica), "
+        f"pyzmq {m['pyzmq']} / libzmq {m['libzmq']}. Learner and replicas are processes on "
+        f"the same 2 cores; zmq and gloo over loopback TCP.",
         "",
-        f"Command: `{report['command']}` ({report['wall_s']:.0f} s). "
-        f"Chunks of {cfg['chunk_bytes'] >> 20} MiB, {cfg['window']} chunk requests in "
-        f"flight per subscriber, medians of {cfg['repeats']} runs. Raw figures: "
-        f"`{cfg['json']}`.",
+        f"Command: `{report['command']}` ({report.get('date', '')}, {report['wall_s']:.0f} s). "
+        f"zmq chunks of {cfg['chunk_bytes'] >> 20} MiB, collective buckets of "
+        f"{cfg['bucket_bytes'] >> 20} MiB; medians of {cfg['repeats']} publishes after "
+        f"{cfg['warmups']} untimed ones. Raw figures: `{cfg['json']}`.",
         "",
-        "Bandwidth, GB/s of fp32 weights delivered: memcpy is `copy_` into warm "
-        "preallocated buffers, clone allocates fresh memory; a subscriber's figure is "
-        "`fetch_newer` end to end (manifest, chunks, checks, state dict rebuilt), with fresh "
-        "buffers (the default) or `reuse_buffers=True` (steady state after the first fetch); "
-        "4 subscribers: aggregate (4 x bytes / wall time), per subscriber in brackets; "
-        "x = ratio to memcpy.",
+        "Publish to loaded: from the learner's `publish` call to the last replica's "
+        "tensors loaded into a module of the policy's shapes (the path's "
+        "`WeightSource.sync_into` into a stand-in of the HF backend: `load_state_dict`), "
+        f"with 1 and {many} replicas. GB/s = replicas x bytes / that time; x = its ratio to "
+        "memcpy (`copy_` of the same tensors into warm buffers, measured before and after "
+        "the paths in the same run; the median of both is used, both are shown). "
+        '"replica alone": the replica\'s own `sync_into` (transfer and load), from the '
+        "moment it is told a version is out.",
         "",
-        "| model | params | GB | memcpy | clone | 1 sub | x | 1 sub reused | x "
-        "| 4 subs | x | 4 subs reused | x |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| model | GB | memcpy GB/s (before / after) | path | 1 replica: publish to loaded "
+        f"| x memcpy | replica alone, x memcpy | {many} replicas: publish to loaded "
+        f"(aggregate GB/s) | x memcpy |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
-        cells = [r["model"], f"{r['params'] / 1e6:.1f}M", f"{r['bytes'] / GB:.2f}"]
-        cells += [f"{r['memcpy_gbps']:.2f}", f"{r['clone_gbps']:.2f}"]
-        for key in ("one", "one_reused", "many", "many_reused"):
-            run = r[key]
-            rate = f"{run['aggregate_gbps']:.2f}"
-            if run["subscribers"] > 1:
-                rate += f" ({run['per_subscriber_gbps']:.2f})"
-            cells += [rate, f"{run['aggregate_gbps'] / r['memcpy_gbps']:.3f}"]
-        lines.append("| " + " | ".join(cells) + " |")
+        for index, (path, p) in enumerate(r["paths"].items()):
+            one, lots = p["replicas_1"], p.get(f"replicas_{many}")
+            head = (
+                [
+                    r["model"],
+                    f"{r['bytes'] / GB:.2f}",
+                    f"{r['memcpy_gbps']:.2f} ({r['memcpy_before_gbps']:.2f} / "
+                    f"{r['memcpy_after_gbps']:.2f})",
+                ]
+                if index == 0
+                else ["", "", ""]
+            )
+            cells = [
+                *head,
+                path,
+                f"{one['loaded_s']:.3f} s ({one['loaded_gbps']:.2f} GB/s)",
+                f"**{ratio(r, path, 1):.3f}**",
+                f"{ratio(r, path, 1, 'replica_gbps'):.3f}",
+            ]
+            if lots is None:
+                cells += ["not run (memory)", ""]
+            else:
+                cells += [
+                    f"{lots['loaded_s']:.3f} s ({lots['loaded_gbps']:.2f})",
+                    f"{ratio(r, path, many):.3f}",
+                ]
+            lines.append("| " + " | ".join(cells) + " |")
+        if "gloo_raw_gbps" in r:
+            link = r["gloo_raw_gbps"]
+            lines.append(
+                f"|  |  |  | bare gloo broadcast (the link) | {link:.2f} GB/s "
+                f"| {link / r['memcpy_gbps']:.3f} |  |  |  |"
+            )
     lines += [
         "",
-        f"Learner stall per publish (the time `publish()` blocks: the copy into the host "
-        f"snapshot), against a training step of the same model measured in the same run: "
-        f"forward and backward of one {cfg['tokens']}-token sequence plus a fused AdamW "
-        f"update of every parameter. Cold: the first two publishes of a shape, which "
-        f"allocate fresh memory; warm: the median of the later ones, which reuse the idle "
-        f"buffers of the snapshot two versions back. The step is deliberately small, so "
-        f"the fractions are upper bounds for real steps of thousands of tokens.",
+        "Learner stall per publish (the seconds `publish()` blocks the learner): zmq copies "
+        "into its host snapshot; shm and collective (whose sink is the shm one, the "
+        "broadcast beside it) write the shared-memory slot, then a thread copies it for "
+        "ZeroMQ. Cold: the untimed first publishes (fresh memory; shm's first also sizes "
+        "the segment); warm: the median of the timed ones. Against the memcpy of the policy "
+        f"and a training step of the same model (one {cfg['tokens']}-token sequence, forward, "
+        "backward, fused AdamW; a small step, so the shares are upper bounds).",
         "",
-        "| model | step | of which AdamW | stall cold (1st, 2nd) | stall warm "
-        "| warm stall / step | worst cold stall / step | step while 4 subs fetch |",
+        "| model | step | memcpy of the policy | path | stall cold | stall warm "
+        "| warm / memcpy | warm / step |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
-        overlap = r.get("overlap")
-        during = (
-            f"{overlap['step_s']:.3f} s (x{overlap['slowdown']:.2f}; "
-            f"{overlap['aggregate_gbps']:.2f} GB/s served)"
-            if overlap
-            else "not run (memory)"
-        )
-        cold = r["stalls_s"][:2]
-        lines.append(
-            f"| {r['model']} | {r['step_s']:.3f} s | {r['optimizer_s']:.3f} s "
-            f"| {', '.join(f'{c:.3f}' for c in cold)} s | {r['stall_warm_s']:.3f} s "
-            f"| {100 * r['stall_warm_s'] / r['step_s']:.1f}% "
-            f"| {100 * max(cold) / r['step_s']:.1f}% | {during} |"
-        )
-    return "\n".join(lines + readings(report["results"])) + "\n"
+        for index, (path, p) in enumerate(r["paths"].items()):
+            head = (
+                [r["model"], f"{r['step_s']:.3f} s", f"{r['memcpy_s']:.3f} s"]
+                if index == 0
+                else ["", "", ""]
+            )
+            cells = [
+                *head,
+                path,
+                ", ".join(f"{c:.3f}" for c in p["stalls_cold_s"]) + " s",
+                f"{p['stall_s']:.3f} s",
+                f"**{p['stall_s'] / r['memcpy_s']:.2f}**",
+                f"{100 * p['stall_s'] / r['step_s']:.1f}%",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    body = lines + stage_lines(report) + goal_lines(report["results"]) + readings(report)
+    return "\n".join(body) + "\n"
 
 
-def readings(results: list[dict]) -> list[str]:
-    """What the tables say, computed from them so a re-run keeps the text true."""
-
-    def span(values: list[float], fmt: str = ".2f") -> str:
-        low, high = min(values), max(values)
-        return (
-            f"{low:{fmt}}" if f"{low:{fmt}}" == f"{high:{fmt}}" else f"{low:{fmt}} to {high:{fmt}}"
-        )
-
-    def ratio(key: str, base: str) -> str:
-        return span([r[key]["aggregate_gbps"] / r[base] for r in results])
-
-    scale = span(
-        [r["many_reused"]["aggregate_gbps"] / r["one_reused"]["aggregate_gbps"] for r in results]
-    )
-    warm_share = span([100 * r["stall_warm_s"] / r["step_s"] for r in results], ".1f")
-    cold_share = span([100 * max(r["stalls_s"][:2]) / r["step_s"] for r in results], ".0f")
-    warm_rate = span([r["bytes"] / r["stall_warm_s"] / GB for r in results], ".1f")
+def stage_lines(report: dict) -> list[str]:
+    """Where one replica's publish-to-loaded time goes, in memcpys of the policy."""
     lines = [
         "",
-        "Reading the tables:",
+        "Where the time goes, one replica, in memcpys of the policy (medians; the stages "
+        "of the median run need not add up to its total exactly): the learner's `publish`; "
+        "the replica's tries that found nothing newer yet (collective: the broadcast serves "
+        "the ZeroMQ snapshot, which the shm sink's thread copies after the publish); the "
+        "transfer (zmq: fetch and checks; shm: mapping and index checks; collective: ask, "
+        "offer, broadcast into staging); the load (`load_state_dict` into the module).",
         "",
-        f"- One subscriber gets {ratio('one', 'memcpy_gbps')} of memcpy with fresh buffers "
-        f"({ratio('one', 'clone_gbps')} of clone, which pays the same page faults), and "
-        f"{ratio('one_reused', 'memcpy_gbps')} of memcpy reusing its buffers "
-        f"({ratio('one_reused', 'clone_gbps')} of clone). Each byte is copied by the "
-        f"learner's ZeroMQ I/O thread into loopback TCP, by the subscriber's out of it, "
-        f"read for the crc32 and copied into its tensor; on first touch the kernel also "
-        f"zeroes and maps the page, which on this VM costs more than the transfer.",
-        f"- Four subscribers together get {scale} times what one does with reused "
-        f"buffers: all five processes share the same 2 cores here, so the aggregate "
-        f"cannot scale; the publisher itself only enqueues zero-copy frames (one crc32 "
-        f"per chunk, cached), and on a real deployment the generators run elsewhere.",
-        f"- A warm publish copies at {warm_rate} GB/s, about memcpy speed: the stall is "
-        f"{warm_share}% of this small step. The cold publishes of a new shape (the first "
-        f"two of a run) stall {cold_share}% of a step, for fresh memory.",
+        "| model | path | publish to loaded | publish (stall) | waiting for the version "
+        "| transfer | load |",
+        "|---|---|---|---|---|---|---|",
     ]
-    overlapped = [r for r in results if r.get("overlap")]
-    if overlapped:
+    for r in report["results"]:
+        unit = r["memcpy_s"]
+        for path, p in r["paths"].items():
+            one = p["replicas_1"]
+            stall = statistics.median(run["stall_s"] for run in one["runs"])
+            transfer = one["replica_s"] - one["waited_s"] - one["load_s"]
+            cells = [r["model"], path, one["loaded_s"], stall, one["waited_s"], transfer]
+            cells = cells[:2] + [f"{x / unit:.2f}" for x in [*cells[2:], one["load_s"]]]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def span(values: list[float], fmt: str = ".2f") -> str:
+    low, high = min(values), max(values)
+    return f"{low:{fmt}}" if f"{low:{fmt}}" == f"{high:{fmt}}" else f"{low:{fmt}} to {high:{fmt}}"
+
+
+def goal_lines(results: list[dict]) -> list[str]:
+    """The issue's goals against the tables, computed so a re-run keeps the text true."""
+    lines = ["", "Against the goals of issue 18 (one replica, every model):", ""]
+    for path, goal in GOALS.items():
+        got = [x for r in results if (x := ratio(r, path, 1)) is not None]
+        alone = [x for r in results if (x := ratio(r, path, 1, "replica_gbps")) is not None]
+        if not got:
+            continue
+        verdict = "met" if min(got) >= goal else "NOT met"
+        alone_verdict = "met" if min(alone) >= goal else "not met"
+        line = (
+            f"- {path} >= {goal} of memcpy: publish to loaded {span(got, '.3f')}, "
+            f"**{verdict}**; the replica alone {span(alone, '.3f')}, {alone_verdict}"
+        )
+        links = [r["gloo_raw_gbps"] / r["memcpy_gbps"] for r in results if "gloo_raw_gbps" in r]
+        if path == "collective" and links:
+            line += f"; a bare gloo broadcast of the same bytes {span(links, '.3f')}"
+        lines.append(line + ".")
+    for path in PATHS:
+        got = [r["paths"][path]["stall_s"] / r["memcpy_s"] for r in results if path in r["paths"]]
+        if got:
+            verdict = "met" if max(got) <= STALL_GOAL else "NOT met"
+            lines.append(
+                f"- {path}: learner stall <= {STALL_GOAL} memcpy of the policy: "
+                f"{span(got)}, **{verdict}**."
+            )
+    return lines
+
+
+def readings(report: dict) -> list[str]:
+    """Why the figures are what they are, with the numbers of this run."""
+    results, many = report["results"], report["config"]["replicas"]
+
+    def stage(path: str, key: str) -> str:
+        values = []
+        for r in results:
+            one = r["paths"][path]["replicas_1"]
+            if key == "transfer":
+                value = one["replica_s"] - one["waited_s"] - one["load_s"]
+            else:
+                value = one[key]
+            values.append(value / r["memcpy_s"])
+        return span(values)
+
+    lines = ["", "Reading the tables:", ""]
+    if all("shm" in r["paths"] for r in results):
         lines.append(
-            f"- Training while 4 subscribers fetch: steps take "
-            f"{span([r['overlap']['slowdown'] for r in overlapped])} times as long, because "
-            f"the subscribers' processes take the cores the learner uses here; serving "
-            f"itself runs on the server thread and does not block the step."
+            f"- shm is two copies in a row: the learner writes the slot (the stall), then the "
+            f"replica's `load_state_dict` copies out of it ({stage('shm', 'load_s')} memcpy; "
+            f"mapping and checks {stage('shm', 'transfer')}). So publish to loaded cannot "
+            f"exceed 0.5 of memcpy even with both copies at memcpy speed; the replica alone "
+            f"is what the shared memory itself costs. Beating 0.5 end to end would take a "
+            f"replica that loads while the learner writes (a per-tensor pipeline) or an "
+            f"engine that serves from the slot in place."
+        )
+    links = [r for r in results if "gloo_raw_gbps" in r and "collective" in r["paths"]]
+    if links:
+        bare = span([r["memcpy_gbps"] / r["gloo_raw_gbps"] for r in links])
+        lines.append(
+            f"- collective: the transfer (ask, offer, gloo broadcast into staging) takes "
+            f"{stage('collective', 'transfer')} memcpys; a bare gloo broadcast of the same "
+            f"bytes between two processes, measured in the same run, takes {bare}: that is "
+            f"the link here (loopback TCP, every byte copied through the kernel twice), and "
+            f"the path's own overhead is the difference. Before it, the replica waits "
+            f"{stage('collective', 'waited_s')} "
+            f"memcpys for the version: the broadcast serves the ZeroMQ snapshot, which the shm "
+            f"sink fills from a thread after the publish, so the bytes are copied twice on the "
+            f"learner before they are sent; then the load, {stage('collective', 'load_s')}."
+        )
+    if all("zmq" in r["paths"] for r in results):
+        lines.append(
+            f"- zmq: the fetch (chunks through loopback TCP, a crc32 per chunk, tensors "
+            f"rebuilt in fresh memory) takes {stage('zmq', 'transfer')} memcpys; it stays the "
+            f"path across machines and the last fallback."
+        )
+    scale = [
+        p[f"replicas_{many}"]["loaded_gbps"] / p["replicas_1"]["loaded_gbps"]
+        for r in results
+        for p in r["paths"].values()
+        if f"replicas_{many}" in p
+    ]
+    if scale:
+        lines.append(
+            f"- {many} replicas get {span(scale)} times the aggregate of one: the learner and "
+            f"the {many} replicas share the same 2 cores here, so the aggregate cannot scale "
+            f"with the replicas; on a real deployment each engine has its own."
         )
     return lines
 
@@ -522,20 +521,26 @@ def write_section(body: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="10M only, one run each")
-    parser.add_argument("--sizes", default="10M,100M,500M")
-    parser.add_argument("--subscribers", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each measurement")
+    parser.add_argument("--quick", action="store_true", help="10M, all paths, 1 and 2 replicas")
+    parser.add_argument("--models", default=f"100M,{REAL},500M")
+    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument(
+        "--many-max-bytes",
+        type=float,
+        default=1.2e9,
+        help="models up to this size also run with --replicas replicas (memory)",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="timed publishes per measurement")
+    parser.add_argument("--warmups", type=int, default=2, help="untimed publishes (cold) first")
+    parser.add_argument("--memcpy-repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2, help="timed training steps per model")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per training step")
-    parser.add_argument("--publishes", type=int, default=4, help="stall publishes per model")
     parser.add_argument("--chunk-mib", type=int, default=DEFAULT_CHUNK_BYTES >> 20)
-    parser.add_argument("--overlap-max-params", type=float, default=200e6)
+    parser.add_argument("--bucket-mib", type=int, default=64, help="weights.bucket_bytes")
     parser.add_argument("--json", default=None, help="results file (default docs/benchmarks/)")
     parser.add_argument("--no-docs", action="store_true", help="do not touch docs/benchmarks.md")
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads of the learner (1: see docs)"
-    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the learner")
     parser.add_argument("--render", default=None, help="rewrite the docs from a results file")
     args = parser.parse_args()
     if args.render:
@@ -543,37 +548,39 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     if args.quick:
-        args.sizes, args.steps, args.publishes = "10M", 1, 2
+        args.models, args.replicas, args.steps, args.repeats = "10M", 2, 1, 2
+        args.warmups, args.memcpy_repeats = 1, 3
     results_dir = Path(tempfile.gettempdir()) if args.quick else ROOT / "docs" / "benchmarks"
     json_path = Path(args.json) if args.json else results_dir / "weights_publish.json"
     began = time.perf_counter()
     report = {
         "command": " ".join(["python", "benchmarks/weights_publish.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine(),
         "config": {
             "chunk_bytes": args.chunk_mib << 20,
-            "window": 2,
+            "bucket_bytes": args.bucket_mib << 20,
             "repeats": args.repeats,
+            "warmups": args.warmups,
             "tokens": args.tokens,
-            "subscribers": args.subscribers,
+            "replicas": args.replicas,
+            "many_max_bytes": args.many_max_bytes,
             "json": str(
                 json_path.relative_to(ROOT) if json_path.is_relative_to(ROOT) else json_path
             ),
         },
         "results": [],
     }
-    subscribers = Subscribers(args.subscribers)
-    publisher = WeightPublisher(tcp("127.0.0.1", free_port()), chunk_bytes=args.chunk_mib << 20)
+    replicas = Replicas(args.replicas)
     version = 0
     try:
-        for name in args.sizes.split(","):
-            result, version = run_size(name, SIZES[name], args, publisher, subscribers, version)
+        for name in args.models.split(","):
+            result, version = run_model(name, args, replicas, version)
             report["results"].append(result)
     finally:
-        subscribers.close()
-        report["served"] = dict(publisher.served)
-        publisher.close()
+        replicas.close()
     report["wall_s"] = time.perf_counter() - began
+    report["machine"]["loadavg_end"] = common.loadavg()
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     table = markdown(report)
