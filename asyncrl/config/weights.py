@@ -19,8 +19,10 @@ class WeightsConfig(Section):
     there). A replica tries the configured path, and on any failure or a missed deadline
     falls back to the next one down, ending at zmq."""
 
-    transport: Literal["zmq", "shm", "collective"] = "zmq"
-    """The first path a replica tries (docs/generators.md, "Weight sync")."""
+    transport: Literal["zmq", "shm", "collective"] = "shm"
+    """The first path a replica tries (docs/generators.md, "Weight sync"). ``shm`` by
+    default: a replica on the learner's host reads each version from shared memory, one
+    elsewhere (or where /dev/shm cannot hold two copies of the policy) falls to ``zmq``."""
     deadline_s: Float = Field(120.0, gt=0.0, le=DAY_S)
     """Time limit of one weight transfer on any path; a transfer that misses it is
     cancelled, counted and logged, and the replica falls back to the next path."""

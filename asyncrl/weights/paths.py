@@ -6,7 +6,8 @@ zmq, the path that always works (across machines, for late joiners). The
 learner's rank 0 serves every path of the chain: with ``shm`` or
 ``collective`` configured it also writes the shared-memory segment, so that a
 replica on its host whose broadcast fails falls back to memory, not to the
-network. With ``zmq`` (the default) everything is as it was: one
+network. ``shm`` is the default: replicas on the learner's host read shared
+memory, the others find no segment there and use zmq. With ``zmq`` alone: one
 :class:`~asyncrl.weights.WeightPublisher`, one ZeroMQ client per replica.
 """
 
@@ -54,7 +55,7 @@ def replica_sources(
 def learner_sink(
     config: Config, run_dir: Path, zmq: WeightPublisher
 ) -> WeightPublisher | ShmPublisher | WithBroadcast:
-    """Rank 0's sink for the shm and zmq paths: ``zmq`` alone by default, else shared
+    """Rank 0's sink for the shm and zmq paths: ``zmq`` alone when configured, else shared
     memory first and ``zmq`` fed from it (:mod:`.shm_publisher`); with ``collective`` also
     the broadcast beside it (:class:`~.collective_sender.WithBroadcast`), serving the
     snapshots ``zmq`` holds."""
