@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/async_vs_sync.py                 # full run (about 4 minutes)
     .venv/bin/python benchmarks/async_vs_sync.py --quick         # 30 steps, 1 round
+    .venv/bin/python benchmarks/async_vs_sync.py --config configs/smollm2_arithmetic.yaml \
+        --steps 8 --rounds 1 --skip-frac 0.25 --set eval.every_steps=0   # the real model
 
 Each round launches the config twice with ``asyncrl launch`` (alternating which
 goes first): synchronous (``buffer.max_staleness=0``, ``learner.sync_interval=1``:
@@ -17,6 +19,12 @@ sent, the batch formed), Tt the rest of its step (update, publish, logging),
 so Tg + Tt is exactly the synchronous step. The ideal async/sync ratio is
 ``(Tg + Tt) / max(Tg, Tt)``. As a cross-check, the engine alone (the HF backend
 generating one batch in chunks, no sockets, no scoring) is timed in this process.
+
+Weights reach the replica over ``--transport`` (``weights.transport``, both
+modes): ``shm`` by default, the fast same-host path, whose "anything newer?"
+before each chunk is a read of the segment's header (the run default); ``zmq``
+asks the learner's weight server before every chunk, a round trip that waits
+for the learner's process while it trains.
 
 Busy fractions: the learner's is 1 - its wait share (from metrics.jsonl); every
 role's also comes from the kernel's scheduler counters of its main thread (time
@@ -45,6 +53,7 @@ def settings_overrides(args: argparse.Namespace) -> list[str]:
         f"generators.replicas={args.replicas}",
         f"learner.num_threads={args.threads}",
         f"generators.num_threads={args.threads}",
+        f"weights.transport={args.transport}",
         "tracking.aim=false",
         *args.set,
     ]
@@ -192,6 +201,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--skip-frac", type=float, default=0.2, help="start-up share left out")
     parser.add_argument("--nice", type=int, default=0, help="run the launches under nice -n")
+    parser.add_argument(
+        "--transport", choices=("zmq", "shm"), default="shm", help="weights.transport of both"
+    )
     parser.add_argument("--set", action="append", default=[], help="extra key=value override")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/asyncrl-bench/async_vs_sync"))
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -253,6 +265,7 @@ def main() -> None:
             "skip_frac": args.skip_frac,
             "rounds": args.rounds,
             "nice": args.nice,
+            "transport": args.transport,
         },
         "summary": summary,
         "rounds": rounds,
