@@ -14,6 +14,20 @@ import msgspec
 
 from asyncrl.wire import DTYPES, Shape, _Body, nbytes_of
 
+WEIGHT_PATHS = ("collective", "shm", "zmq")
+"""The weight-sync paths, in the order a replica's chain tries them (``weights.transport``
+picks the first)."""
+WEIGHT_SYNC_STATS = frozenset(
+    {
+        "weights_transfer_failures",
+        "weights_deadline_missed",
+        "weights_fallbacks",
+        *(f"weights_{what}_{path}" for what in ("loads", "failures") for path in WEIGHT_PATHS),
+    }
+)
+"""The counters a replica's weight-sync chain reports (``generators/weight_sync.py``),
+which the buffer accepts from it."""
+
 
 class WeightsRequest(_Body, tag="weights_request"):
     """A generator holding ``have_version`` asks whether newer weights exist.

@@ -71,6 +71,7 @@ from asyncrl.trajectory import (
     is_model_token,
     split_samples,
 )
+from asyncrl.weight_messages import WEIGHT_SYNC_STATS
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
@@ -100,15 +101,7 @@ REPLICA_STATS = frozenset(
         "chunks",
         "chunk_s_max",
         "restarts",
-        # the weight-sync chain's (generators/weight_sync.py, STAT_NAMES)
-        "weights_transfer_failures",
-        "weights_deadline_missed",
-        "weights_fallbacks",
-        *(
-            f"weights_{what}_{path}"
-            for what in ("loads", "failures")
-            for path in ("collective", "shm", "zmq")
-        ),
+        *WEIGHT_SYNC_STATS,  # the weight-sync chain's (generators/weight_sync.py)
     }
 )
 """The counters a replica sends with its samples (``GeneratorReplica.stats``); its

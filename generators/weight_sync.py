@@ -23,7 +23,8 @@ so it must be the version the path says it loaded.
 Counters (in the replica's stats, so ``generators_<counter>_total`` in the
 run's metrics): ``weights_transfer_failures``, ``weights_deadline_missed``,
 ``weights_fallbacks``, and per path ``weights_failures_<path>`` and, when the
-chain has more than one path, ``weights_loads_<path>``.
+chain has more than one path, ``weights_loads_<path>``: every name is in
+:data:`asyncrl.weight_messages.WEIGHT_SYNC_STATS`.
 """
 
 from __future__ import annotations
@@ -36,17 +37,6 @@ from asyncrl.generators.backend import Backend
 from asyncrl.weights.source import Loaded, PathUnavailable, WeightSource, WeightTransferError
 
 log = logging.getLogger("asyncrl.generator")
-
-PATHS = ("collective", "shm", "zmq")
-STAT_NAMES = frozenset(
-    {
-        "weights_transfer_failures",
-        "weights_deadline_missed",
-        "weights_fallbacks",
-        *(f"weights_{what}_{path}" for what in ("loads", "failures") for path in PATHS),
-    }
-)
-"""Every counter a chain reports (the buffer accepts these from a replica)."""
 
 
 class WeightSync:

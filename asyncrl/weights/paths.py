@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from asyncrl.weight_messages import WEIGHT_PATHS
 from asyncrl.weights.shm_publisher import ShmPublisher
 from asyncrl.weights.shm_reader import ShmSource
 from asyncrl.weights.shm_writer import ShmWriter, remove_leftover
@@ -26,13 +27,10 @@ if TYPE_CHECKING:
     from asyncrl.config import Config
     from asyncrl.weights.collective_sender import WithBroadcast
 
-ORDER = ("collective", "shm", "zmq")
-"""Every path, in the order a chain tries them."""
-
 
 def chain_paths(transport: str) -> tuple[str, ...]:
     """The configured path and every one below it: ``shm`` -> ``("shm", "zmq")``."""
-    return ORDER[ORDER.index(transport) :]
+    return WEIGHT_PATHS[WEIGHT_PATHS.index(transport) :]
 
 
 def replica_sources(

@@ -54,6 +54,16 @@ def _token_ratio(log_ratio: Tensor) -> Tensor:
     return log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
 
 
+def _clipped_objective(
+    ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """PPO's ``min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``, and where the clip won
+    (the tokens whose gradient it removed)."""
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
+    return torch.minimum(unclipped, clipped), clipped < unclipped
+
+
 def _sequence_mean(values: Tensor, mask: Tensor) -> Tensor:
     """Mean over each row's valid tokens [B] (a row with none: 0)."""
     lengths = mask.sum(-1).clamp(min=1).to(values.dtype)
@@ -75,10 +85,7 @@ def ppo_surrogate(
     """``-w min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``, and with ``clip_c`` (> 1)
     the dual clip: for A < 0 the surrogate is at least ``clip_c A`` (verl's vanilla)."""
     ratio = _token_ratio(log_ratio)
-    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    unclipped = ratio * advantages
-    clipped = clipped_ratio * advantages
-    surrogate = torch.minimum(unclipped, clipped)
+    surrogate, clipped = _clipped_objective(ratio, advantages, clip_low, clip_high)
     if clip_c is not None:
         if clip_c <= 1.0:
             raise ValueError(f"clip_c must be > 1, got {clip_c}")
@@ -87,7 +94,7 @@ def ppo_surrogate(
         surrogate = torch.where(dual, floor, surrogate)
     else:
         dual = _none(mask)
-    return Surrogate(-weight * surrogate, clipped < unclipped, dual)
+    return Surrogate(-weight * surrogate, clipped, dual)
 
 
 @register_policy_loss("gspo", knobs=CLIP)
@@ -108,11 +115,8 @@ def gspo_surrogate(
     clamped above at 10 (verl's)."""
     log_sequence = _sequence_mean(log_ratio, mask).detach().unsqueeze(-1)
     log_s = (log_ratio - log_ratio.detach() + log_sequence).clamp(max=GSPO_LOG_RATIO_MAX)
-    ratio = log_s.exp()
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
-    surrogate = torch.minimum(unclipped, clipped)
-    return Surrogate(-weight * surrogate, clipped < unclipped, _none(mask))
+    surrogate, clipped = _clipped_objective(log_s.exp(), advantages, clip_low, clip_high)
+    return Surrogate(-weight * surrogate, clipped, _none(mask))
 
 
 @register_policy_loss("cispo", knobs=CLIP)

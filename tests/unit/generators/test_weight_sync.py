@@ -7,7 +7,8 @@ import time
 import pytest
 import zmq
 
-from asyncrl.generators.weight_sync import STAT_NAMES, WeightSync
+from asyncrl.generators.weight_sync import WeightSync
+from asyncrl.weight_messages import WEIGHT_SYNC_STATS
 from asyncrl.weights import WeightClient
 from asyncrl.weights.source import Loaded, PathUnavailable, WeightTransferError
 from asyncrl.weights.zmq_source import ZmqSource
@@ -64,7 +65,7 @@ def test_a_failing_path_falls_back_to_the_next_and_is_counted():
         "weights_fallbacks": 1.0,
         "weights_loads_zmq": 1.0,
     }
-    assert set(chain.stats()) <= STAT_NAMES
+    assert set(chain.stats()) <= WEIGHT_SYNC_STATS
 
 
 def test_an_unavailable_path_is_passed_over_without_counting():
