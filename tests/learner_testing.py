@@ -36,6 +36,16 @@ def single_rank(device: str = "cpu") -> Iterator:
         os.environ.update(saved)
 
 
+TINY_LEARNER = [
+    "model.tiny.num_layers=2",
+    "model.tiny.hidden_size=32",
+    "model.tiny.intermediate_size=64",
+    "algorithm.group_size=4",
+    "algorithm.prompts_per_step=4",
+    "learner.lr=0.01",
+    "run.total_steps=10",
+]
+"""Config overrides of the learner tests' tiny model and batch (with the synthetic batches)."""
 GROUP = 4
 """Samples per prompt group in the synthetic batches."""
 

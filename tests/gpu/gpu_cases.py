@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import torch
+from learner_testing import TINY_LEARNER
 
 from asyncrl.config import Config, load_config
 from asyncrl.learner import distributed
@@ -17,21 +18,13 @@ from asyncrl.tasks import build_tokenizer
 
 GROUP = 4
 PROMPT_LEN = 3
-TINY = [
-    "model.tiny.num_layers=2",
-    "model.tiny.hidden_size=32",
-    "model.tiny.intermediate_size=64",
-    "algorithm.group_size=4",
-    "algorithm.prompts_per_step=4",
-    "learner.lr=0.01",
-    "run.total_steps=10",
-]
 
 
 def tiny_config(device: str, mixed_precision: str) -> Config:
     """The tiny model of the unit tests' learners, on ``device`` in ``mixed_precision``."""
     return load_config(
-        None, [*TINY, f"learner.device={device}", f"learner.mixed_precision={mixed_precision}"]
+        None,
+        [*TINY_LEARNER, f"learner.device={device}", f"learner.mixed_precision={mixed_precision}"],
     )
 
 

@@ -18,18 +18,22 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_the_quickstart_over_shared_memory_loads_its_weights_there(tmp_path):
-    run_dir = tmp_path / "run"
-    segments_before = set(SHM_DIR.glob("asyncrl-*"))
+def launch_quickstart(run_dir: Path, transport: str) -> list[dict]:
+    """12 steps of the quickstart with ``weights.transport``; its metrics records."""
     command = [
         sys.executable, "-m", "asyncrl", "launch", str(REPO / "configs/quickstart.yaml"),
-        "run.total_steps=12", "weights.transport=shm", "tracking.aim=false",
+        "run.total_steps=12", f"weights.transport={transport}", "tracking.aim=false",
         "--run-dir", str(run_dir),
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr
+    return read_metrics(run_dir)
 
-    records = read_metrics(run_dir)
+
+def test_the_quickstart_over_shared_memory_loads_its_weights_there(tmp_path):
+    run_dir = tmp_path / "run"
+    segments_before = set(SHM_DIR.glob("asyncrl-*"))
+    records = launch_quickstart(run_dir, "shm")
     assert [r["version"] for r in records] == list(range(1, 13))
     last = records[-1]
     assert last["generators_weights_loads_shm_total"] >= 1  # the replicas read shared memory
@@ -45,15 +49,7 @@ def test_the_quickstart_over_shared_memory_loads_its_weights_there(tmp_path):
 
 def test_the_quickstart_over_the_collective_path_loads_its_weights_there(tmp_path):
     run_dir = tmp_path / "run"
-    command = [
-        sys.executable, "-m", "asyncrl", "launch", str(REPO / "configs/quickstart.yaml"),
-        "run.total_steps=12", "weights.transport=collective", "tracking.aim=false",
-        "--run-dir", str(run_dir),
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert result.returncode == 0, result.stdout + result.stderr
-
-    records = read_metrics(run_dir)
+    records = launch_quickstart(run_dir, "collective")
     assert [r["version"] for r in records] == list(range(1, 13))
     last = records[-1]
     assert last["generators_weights_loads_collective_total"] >= 1  # broadcast into the engine

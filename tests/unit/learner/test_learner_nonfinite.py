@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from learner_testing import synthetic_batch
+from learner_testing import TINY_LEARNER, synthetic_batch
 
 from asyncrl.config import load_config
 from asyncrl.learner import checkpoint
@@ -27,18 +27,7 @@ from asyncrl.tasks import build_tokenizer
 
 @pytest.fixture
 def learner(ranks: Ranks) -> Learner:
-    config = load_config(
-        None,
-        [
-            "model.tiny.num_layers=2",
-            "model.tiny.hidden_size=32",
-            "model.tiny.intermediate_size=64",
-            "algorithm.group_size=4",
-            "algorithm.prompts_per_step=4",
-            "learner.lr=0.01",
-            "run.total_steps=10",
-        ],
-    )
+    config = load_config(None, TINY_LEARNER)
     torch.manual_seed(config.run.seed)
     return Learner(config, ranks)
 

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from learner_testing import synthetic_batch
+from learner_testing import TINY_LEARNER, synthetic_batch
 
 from asyncrl.config import load_config
 from asyncrl.learner import checkpoint
@@ -22,19 +22,9 @@ from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.policy import Learner
 from asyncrl.tasks import build_tokenizer
 
-TINY = [
-    "model.tiny.num_layers=2",
-    "model.tiny.hidden_size=32",
-    "model.tiny.intermediate_size=64",
-    "algorithm.group_size=4",
-    "algorithm.prompts_per_step=4",
-    "learner.lr=0.01",
-    "run.total_steps=10",
-]
-
 
 def make_learner(ranks: Ranks, *overrides: str) -> Learner:
-    config = load_config(None, [*TINY, *overrides])
+    config = load_config(None, [*TINY_LEARNER, *overrides])
     torch.manual_seed(config.run.seed)
     return Learner(config, ranks)
 
