@@ -467,9 +467,10 @@ def read_only_disk(path: Path) -> Iterator[Path]:
         _umount(path)
 
 
-REMOUNT_TRIES = 100
+REMOUNT_TRIES = 400
 """Linux refuses a read-only remount ("mount point is busy") while a file under it is open
-for writing; aim closes its files between writes, so the remount is tried again."""
+for writing; aim closes its files between writes, so the remount is tried again (every
+50 ms, for 20 s: on a busy machine aim's writes can keep a file open for seconds)."""
 
 
 def _remount_read_only(path: Path) -> None:
@@ -793,8 +794,11 @@ def contained_faults(work: Path) -> dict[str, Case]:
 def break_aim(make_read_only: Callable[[], None], case: Case) -> float:
     """Turn aim's repository read-only (as root); when that was."""
     if (why := can_mount()) is None:
-        make_read_only()
-    else:
+        try:
+            make_read_only()
+        except MountUnavailable as error:  # aim kept a file open for writing throughout
+            why = str(error)
+    if why is not None:
         case.notes["not run"] = why
     return time.time()
 
