@@ -55,6 +55,18 @@ def server(cluster) -> Iterator[tuple[zmq.Socket, str, object]]:
     context.term()
 
 
+@pytest.fixture
+def clients() -> Iterator[list[zmq.Context]]:
+    """The clients' contexts a test makes, destroyed with their sockets when it ends, failed
+    or not: left to the garbage collector, a context whose sockets' weak references were
+    already cleared would wait on them forever in ``term()``, in whichever later test
+    the collection happens, where no test timeout can stop it."""
+    made: list[zmq.Context] = []
+    yield made
+    for context in made:
+        context.destroy(linger=0)
+
+
 def send_from(context: zmq.Context, endpoint: str, payload: bytes) -> zmq.Socket:
     """Send one message from a new socket of ``context``. Keep the socket until the test
     ends: closed, it would drop the message before the handshake. No linger, so a
@@ -86,35 +98,33 @@ def refusals_counted(auth) -> int:
     return auth.refused
 
 
-def test_each_role_is_named_by_the_credentials_it_holds(cluster, server):
+def test_each_role_is_named_by_the_credentials_it_holds(cluster, server, clients):
     socket, endpoint, _ = server
-    contexts = {role: client_context(cluster, role) for role in ("learner", "generator")}
-    _kept = [send_from(context, endpoint, role.encode()) for role, context in contexts.items()]
+    kept = []
+    for role in ("learner", "generator"):
+        clients.append(client_context(cluster, role))
+        kept.append(send_from(clients[-1], endpoint, role.encode()))
     assert sorted(heard(socket, 2)) == [(b"generator", "generator"), (b"learner", "learner")]
-    for context in contexts.values():
-        context.destroy(linger=0)
 
 
-def test_a_peer_without_the_run_s_credentials_is_never_heard(cluster, server):
+def test_a_peer_without_the_run_s_credentials_is_never_heard(cluster, server, clients):
     socket, endpoint, auth = server
-    stranger = zmq.Context()
-    sockets = [send_from(stranger, endpoint, b"plain zeromq")]
-    guesser = zmq.Context()
+    stranger, guesser = zmq.Context(), zmq.Context()
+    clients += [stranger, guesser]
+    kept = [send_from(stranger, endpoint, b"plain zeromq")]
     guesser.setsockopt(zmq.PLAIN_USERNAME, b"learner")
     guesser.setsockopt(zmq.PLAIN_PASSWORD, b"0" * 64)
-    sockets.append(send_from(guesser, endpoint, b"a guessed password"))
+    kept.append(send_from(guesser, endpoint, b"a guessed password"))
     assert heard(socket) == []
     if not cluster.uses_curve:  # the guess reached the ZAP handler and was counted
         assert refusals_counted(auth)
     # and the run's own peer is still served
-    own = client_context(cluster, "generator")
-    sockets.append(send_from(own, endpoint, b"still here"))
-    assert heard(socket, 1) == [(b"still here", "generator")]
-    for context in (stranger, guesser, own):
-        context.destroy(linger=0)
+    clients.append(client_context(cluster, "generator"))
+    kept.append(send_from(clients[-1], endpoint, b"still here"))
+    assert heard(socket, 1) == [(b"still here", "generator")], f"refused: {auth.refused}"
 
 
-def test_a_generator_cannot_log_in_as_the_learner(tmp_path):
+def test_a_generator_cannot_log_in_as_the_learner(tmp_path, clients):
     generate_run_secret(tmp_path / "keys")
     cluster = ClusterConfig(keys_dir=str(tmp_path / "keys"))
     context = zmq.Context()
@@ -126,14 +136,14 @@ def test_a_generator_cannot_log_in_as_the_learner(tmp_path):
         RunSecret(tmp_path / "keys" / RUN_SECRET).load(), "generator"
     )
     impostor = zmq.Context()
+    clients.append(impostor)
     impostor.setsockopt(zmq.PLAIN_USERNAME, b"learner")
     impostor.setsockopt(zmq.PLAIN_PASSWORD, generator_password)
-    _kept = [send_from(impostor, endpoint, b"BatchRequest")]
+    _kept = send_from(impostor, endpoint, b"BatchRequest")
     try:
         assert heard(socket) == []
         assert refusals_counted(auth)
     finally:
-        impostor.destroy(linger=0)
         socket.close(linger=0)
         auth.stop()
         context.term()
