@@ -27,11 +27,12 @@ from asyncrl.security import (
     secure_server,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
 REFUSED_WAIT_MS = 1000
 """How long to wait for a message that must not come."""
-EXPECTED_WAIT_MS = 15_000
-"""How long to wait for a message that must come."""
+EXPECTED_WAIT_MS = 30_000
+"""How long to wait for a message that must come (a CURVE handshake and the ZAP
+handler's answer; seconds on a machine busy with other tests' processes)."""
 
 
 @pytest.fixture(params=["plain", "curve"])
