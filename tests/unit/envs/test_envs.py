@@ -472,9 +472,13 @@ def test_check_isolation_for_refuses_when_bubblewrap_is_missing(monkeypatch):
     from types import SimpleNamespace
 
     from asyncrl.envs import SandboxUnavailable, check_isolation_for
+    from asyncrl.envs.sandbox import checks as sandbox_checks
     from asyncrl.envs.sandbox import runner as sandbox_runner
 
     monkeypatch.setattr(sandbox_runner, "bwrap_path", lambda name: None)
+    # a sandbox that passed once is not probed again in a process: forget the ones
+    # that earlier tests (a shipped config with the python tool) saw pass
+    monkeypatch.setattr(sandbox_checks, "_CHECKED", set())
     run = SimpleNamespace(environment=EnvironmentConfig(name="tools", tools=["python"]))
     with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap"):
         check_isolation_for(run)
