@@ -23,6 +23,8 @@ WEIGHT_SYNC_STATS = frozenset(
         "weights_deadline_missed",
         "weights_fallbacks",
         *(f"weights_{what}_{path}" for what in ("loads", "failures") for path in WEIGHT_PATHS),
+        "weights_shm_overlaps",  # a read a write overlapped: discarded and read again
+        "weights_shm_followed",  # loads that followed the learner's write
     }
 )
 """The counters a replica's weight-sync chain reports (``generators/weight_sync.py``),

@@ -2,9 +2,11 @@
 
 A measured publish is what a run does: learner rank 0 calls ``publish`` on the
 path's sink (built as :func:`asyncrl.weights.paths.learner_sink` builds it),
-then each replica runs its path's ``WeightSource.sync_into`` into a stand-in
-of the HF backend (a module with the policy's tensor names and shapes, loaded
-with ``load_state_dict``) until it holds the new version. Replicas are spawned
+while each replica, already waiting for it as a replica between batches does,
+runs its path's ``WeightSource.sync_into`` into a stand-in of the HF backend
+(a module with the policy's tensor names and shapes, loaded as the HF backend
+loads, in parts where the path streams) until it holds the new version. The
+shm reader thus follows the learner's write. Replicas are spawned
 processes on the same host; every clock is ``time.monotonic`` (one clock for
 all processes on Linux), so "publish to loaded" is the last replica's end
 minus the learner's publish start.
@@ -31,10 +33,14 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.weights.source import PathUnavailable
+
 PATHS = ("zmq", "shm", "collective")
 GB = 1e9
 POLL_S = 0.001
 """A replica asks again this often while its path has nothing newer yet."""
+WAITING_S = 0.05
+"""How long replicas poll before the publish: they are waiting for it when it starts."""
 
 
 def trim_memory() -> None:
@@ -72,20 +78,27 @@ def module_of(shapes: list[tuple[str, tuple[int, ...], torch.dtype]]) -> torch.n
 
 
 class ModuleBackend:
-    """What the paths need of ``HFBackend``: ``model``, ``version``, ``load_weights``."""
+    """What the paths need of ``HFBackend``: ``model``, ``version``, ``load_weights`` and
+    ``load_weights_in_parts`` (the copy into the parameters is the HF backend's own)."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.version = -1
         self.load_s = 0.0
-        """Seconds spent in ``load_weights`` so far (the copy into the module)."""
+        """Seconds spent loading so far (the copy into the module; following a write, also
+        the waits for the learner's next tensor)."""
 
     def load_weights(self, state_dict, version: int) -> None:
+        self.load_weights_in_parts(list(state_dict), [state_dict], version)
+
+    def load_weights_in_parts(self, names, parts, version: int) -> None:
+        from asyncrl.generators.backend import check_state_dict, copy_parameters
+
         started = time.monotonic()
-        missing = set(self.model.state_dict()) - set(state_dict)
-        if missing:
-            raise ValueError(f"missing {sorted(missing)[:3]}")
-        self.model.load_state_dict(dict(state_dict), strict=False)
+        parameters = self.model.state_dict()
+        check_state_dict(set(parameters), set(), dict.fromkeys(names), version)
+        for part in parts:
+            copy_parameters(parameters, part, version)
         self.version = version
         self.load_s += time.monotonic() - started
 
@@ -158,20 +171,22 @@ def _next(conn):
 
 def sync_until(source, backend: ModuleBackend, version: int, deadline_s: float) -> tuple:
     """Sync until ``backend`` holds ``version``: (start, end, seconds in ``load_weights``,
-    tries, seconds spent in tries that found nothing newer yet)."""
+    tries, start of the try that loaded it)."""
     started = time.monotonic()
-    tries = waited_s = 0
+    tries = 0
     loading_before = backend.load_s
     while backend.version < version:
         if time.monotonic() - started > deadline_s:
             raise TimeoutError(f"v{version} not loaded in {deadline_s}s")
         tries += 1
         begun = time.monotonic()
-        loaded = source.sync_into(backend, backend.version, begun + deadline_s)
+        try:
+            loaded = source.sync_into(backend, backend.version, begun + deadline_s)
+        except PathUnavailable:  # no segment before the first publish: ask again
+            loaded = None
         if loaded is None:
             time.sleep(POLL_S)  # the path has nothing newer yet (collective: zmq copy running)
-            waited_s += time.monotonic() - begun
-    return started, time.monotonic(), backend.load_s - loading_before, tries, waited_s
+    return started, time.monotonic(), backend.load_s - loading_before, tries, begun
 
 
 class Replicas:
@@ -299,16 +314,20 @@ def measure_path(
             for index in range(warmups + repeats):
                 version += 1
                 sink.settle()
+                replicas.send(count, ("sync", version, 600.0))  # waiting, as in a run
+                time.sleep(WAITING_S)
                 began = time.monotonic()
                 stall = sink.publish(params, version)
-                replies = replicas.ask(count, ("sync", version, 600.0))
+                replies = replicas.gather(count)
                 run = {
                     "stall_s": stall,
                     "loaded_s": max(r[1] for r in replies) - began,
-                    "replica_s": statistics.mean(r[1] - r[0] for r in replies),
+                    # the try that loaded it, from its start (or the publish's, if later)
+                    "replica_s": statistics.mean(r[1] - max(r[4], began) for r in replies),
                     "load_s": statistics.mean(r[2] for r in replies),
                     "tries": max(r[3] for r in replies),
-                    "waited_s": statistics.mean(r[4] for r in replies),
+                    # from the publish's start to that try's
+                    "waited_s": statistics.mean(max(0.0, r[4] - began) for r in replies),
                 }
                 if index < warmups:
                     if count == counts[0]:  # the first publishes of this shape: fresh memory

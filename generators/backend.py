@@ -4,6 +4,7 @@ A backend extends rollouts chunk by chunk with the weights it holds::
 
     backend.generate_chunk(rollouts, max_tokens)  # unfinished rollouts grow by <= max_tokens
     backend.load_weights(state_dict, version)     # between chunks: newer weights, in place
+    backend.load_weights_in_parts(names, parts, version)  # optional: the same, streamed
     backend.abort(rollouts)                       # any thread: cut the running chunk short
     backend.close()
 
@@ -91,6 +92,15 @@ class Backend(Protocol):
         Invalidates every cache computed with the previous weights."""
         ...
 
+    # Optional (the shared-memory path follows a write in progress when an engine has it):
+    # def load_weights_in_parts(
+    #     self, names: Sequence[str], parts: Iterable[Mapping[str, torch.Tensor]], version: int
+    # ) -> None:
+    #     """``load_weights`` with the tensors arriving in parts: ``names`` (every tensor to
+    #     come) are checked first, ValueError before anything changes; each part is copied in
+    #     as it arrives; ``version`` holds after the last. An exception from ``parts`` leaves
+    #     a mix of two versions: the caller must load a whole one before generating."""
+
     def abort(self, rollouts: Iterable[Rollout]) -> None:
         """Stop generating ``rollouts`` in the chunk now in progress; safe from any thread.
 
@@ -114,6 +124,25 @@ def check_state_dict(
     if missing or extra:
         problem = f"missing {sorted(missing)}, extra {sorted(extra)}"
         raise ValueError(f"weights v{version} do not fit the model: {problem}")
+
+
+def copy_parameters(
+    parameters: Mapping[str, torch.Tensor], part: Mapping[str, torch.Tensor], version: int
+) -> None:
+    """Copy ``part`` into the engine's ``parameters`` (detached views of them) by name. A name
+    or shape that is not the model's is a ValueError naming it, raised before any of the part
+    is copied (``copy_`` would broadcast a wrong shape silently)."""
+    for name, tensor in part.items():
+        target = parameters.get(name)
+        if target is None:
+            raise ValueError(f"weights v{version}: '{name}' is not one of the model's tensors")
+        if target.shape != tensor.shape:
+            raise ValueError(
+                f"weights v{version}: '{name}' has shape {tuple(tensor.shape)}, "
+                f"the model's is {tuple(target.shape)}"
+            )
+    for name, tensor in part.items():
+        parameters[name].copy_(tensor)
 
 
 class StopStrings:

@@ -23,13 +23,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from asyncrl.config import GeneratorsConfig
-from asyncrl.generators.backend import Rollout, StopStrings, append_tokens, check_state_dict
+from asyncrl.generators.backend import (
+    Rollout,
+    StopStrings,
+    append_tokens,
+    check_state_dict,
+    copy_parameters,
+)
 
 __all__ = ["HFBackend", "Rollout"]  # Rollout lives in asyncrl.generators.backend
 
@@ -81,12 +87,22 @@ class HFBackend:
         No cache outlives a chunk here (every chunk re-encodes its prefix), so
         nothing computed with the old weights can be reused after this.
         """
+        self.load_weights_in_parts(list(state_dict), [state_dict], version)
+
+    def load_weights_in_parts(
+        self, names: Sequence[str], parts: Iterable[Mapping[str, torch.Tensor]], version: int
+    ) -> None:
+        """``load_weights`` with the tensors arriving in parts (see Backend): the names are
+        checked first, each part is copied in as it comes, ``version`` holds after the last."""
         start = time.perf_counter()
+        parameters = self.model.state_dict()  # detached views of the parameters
         optional = set()
         if getattr(self.model.config, "tie_word_embeddings", False):
             optional.add("lm_head.weight")  # tied to the embedding, may be omitted
-        check_state_dict(set(self.model.state_dict()), optional, state_dict, version)
-        self.model.load_state_dict(dict(state_dict), strict=False)
+        check_state_dict(set(parameters), optional, dict.fromkeys(names), version)
+        with torch.no_grad():
+            for part in parts:
+                copy_parameters(parameters, part, version)
         self.version = version
         self.last_load_s = time.perf_counter() - start
 

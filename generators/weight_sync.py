@@ -22,8 +22,10 @@ so it must be the version the path says it loaded.
 
 Counters (in the replica's stats, so ``generators_<counter>_total`` in the
 run's metrics): ``weights_transfer_failures``, ``weights_deadline_missed``,
-``weights_fallbacks``, and per path ``weights_failures_<path>`` and, when the
-chain has more than one path, ``weights_loads_<path>``: every name is in
+``weights_fallbacks``, per path ``weights_failures_<path>`` and, when the
+chain has more than one path, ``weights_loads_<path>``; from the shm path,
+``weights_shm_overlaps`` (reads a write overlapped, read again) and
+``weights_shm_followed`` (loads that followed the learner's write): every name is in
 :data:`asyncrl.weight_messages.WEIGHT_SYNC_STATS`.
 """
 
@@ -34,6 +36,7 @@ import time
 from collections import Counter
 
 from asyncrl.generators.backend import Backend
+from asyncrl.weight_messages import WEIGHT_SYNC_STATS
 from asyncrl.weights.source import Loaded, PathUnavailable, WeightSource, WeightTransferError
 
 log = logging.getLogger("asyncrl.generator")
@@ -135,8 +138,15 @@ class WeightSync:
         )
 
     def stats(self) -> dict[str, float]:
-        """The counters that are not zero (nothing new in the stats until something happens)."""
-        return {key: float(value) for key, value in self.counters.items() if value}
+        """The counters that are not zero (nothing new in the stats until something happens),
+        with the paths' own as ``weights_<path>_<counter>`` where the buffer accepts them."""
+        counts = Counter(self.counters)
+        for source in self.sources:
+            for name, value in getattr(source, "counters", {}).items():
+                key = f"weights_{source.name}_{name}"
+                if key in WEIGHT_SYNC_STATS:
+                    counts[key] += value
+        return {key: float(value) for key, value in counts.items() if value}
 
     def close(self) -> None:
         for source in self.sources:

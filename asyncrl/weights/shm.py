@@ -6,6 +6,7 @@ On one host the learner writes each published version once into a file in
 
     header  magic "ASRLWSHM", format, slots (2), slot_bytes, retired
     slot    seq, version, published_at, index_nbytes, data_offset, data_nbytes,
+            plan_seq, progress,
             the tensor index (msgpack list of TensorEntry), then the tensors' bytes
 
 ``seq`` is a seqlock: odd while the writer fills the slot, even once it is
@@ -13,6 +14,17 @@ complete, 0 never written. The writer fills the older slot, so the slot a
 reader most likely reads (the newest) is only overwritten by the publish after
 the next one. A reader notes ``seq``, loads, and checks ``seq`` again: a changed
 counter means a write overlapped the read, and the load is discarded.
+A write whose tensors come in the layout of the one before (every write after
+the first, unless the model changed) is announced before its first byte: the
+writer puts that layout in the slot's index and then sets ``plan_seq`` to the
+write's (odd) ``seq``; after each tensor it sets ``progress`` to the number
+written. A reader may then *follow* the write, loading each tensor the moment
+it is complete, while the learner writes the next; its load still counts only
+if ``seq`` is the write's plus one once it is done. A write that leaves the
+announced layout sets ``progress`` to ``PLAN_BROKEN``: followers give up and
+read the slot once it is complete. (Both ends rely on x86-64's ordering of
+stores and of loads; elsewhere readers never follow: ``FOLLOW_WRITES``.)
+
 ``retired`` tells readers the learner has stopped writing here (it exited, or
 a version outgrew the slots): they fall back to another path.
 
@@ -25,7 +37,9 @@ not a regular file of its own user with no group or other permissions.
 
 from __future__ import annotations
 
+import mmap
 import os
+import platform
 import re
 import stat
 import struct
@@ -42,7 +56,7 @@ POINTER_FILE = "weights_shm"
 """The file in the run dir naming the run's segment."""
 NAME = re.compile(r"asyncrl-[0-9a-f]{32}")
 MAGIC = b"ASRLWSHM"
-FORMAT = 1
+FORMAT = 2
 SLOTS = 2
 PAGE = 4096
 ALIGN = 64
@@ -52,8 +66,16 @@ MAX_INDEX_BYTES = 64 << 20
 
 HEADER = struct.Struct("<8sIIQQ")  # magic, format, slots, slot_bytes, retired
 RETIRED_OFFSET = 24
-SLOT_HEADER = struct.Struct("<QqdQQQ")  # seq, version, published_at, index, data at, data
+SLOT_HEADER = struct.Struct("<QqdQQQQQ")  # seq, version, published_at, index, data at,
+# data, plan_seq, progress
 SLOT_HEADER_BYTES = 64
+PLAN_SEQ_OFFSET = 48
+PROGRESS_OFFSET = 56
+PLAN_BROKEN = 2**64 - 1
+"""``progress`` of a write that left the layout it announced."""
+FOLLOW_WRITES = platform.machine().lower() in ("x86_64", "amd64")
+"""Whether readers follow a write in progress: sound where stores and loads keep their
+order (x86-64's TSO); on weaker orderings a reader waits for the complete slot."""
 INDEX_DECODER = msgspec.msgpack.Decoder(list[TensorEntry])
 INDEX_ENCODER = msgspec.msgpack.Encoder()
 
@@ -126,3 +148,13 @@ def check_owner_only(fd: int, what: str) -> os.stat_result:
     if info.st_mode & 0o077:
         raise WeightTransferError(f"{what} is open to others (mode {info.st_mode & 0o777:o})")
     return info
+
+
+def read_u64(buffer: mmap.mmap, offset: int) -> int:
+    """One 8-byte field of the segment, read on its own (a seqlock's counters)."""
+    return int.from_bytes(buffer[offset : offset + 8], "little")
+
+
+def write_u64(buffer: mmap.mmap, offset: int, value: int) -> None:
+    """One 8-byte field, written on its own, after every write before it (x86-64)."""
+    buffer[offset : offset + 8] = value.to_bytes(8, "little")

@@ -10,6 +10,15 @@ the then newest slot; a second overlap raises ``WeightTransferError(partial=True
 since the engine may hold a mix. A learner that restarted writes a new segment
 and a new record in the run dir: the source notices the record changed and maps
 the new one.
+
+When no complete slot is newer than the engine's version but the learner is
+writing one whose layout it announced, and the engine loads in parts
+(``load_weights_in_parts``, the HF backend), the source *follows* the write:
+it hands the engine each tensor as soon as the writer's progress counter
+passes it, so the replica's copy runs beside the learner's instead of after
+it. The load counts once the slot's counter says that very write completed;
+a write that left its plan or was overlapped leaves a mix in the engine, and
+the newest complete slot is then loaded whole.
 """
 
 from __future__ import annotations
@@ -29,13 +38,17 @@ import torch
 
 from asyncrl.weights.layout import FROM_NAME
 from asyncrl.weights.shm import (
+    FOLLOW_WRITES,
     FORMAT,
     HEADER,
     INDEX_DECODER,
     MAGIC,
     MAX_INDEX_BYTES,
     PAGE,
+    PLAN_BROKEN,
+    PLAN_SEQ_OFFSET,
     POINTER_FILE,
+    PROGRESS_OFFSET,
     RETIRED_OFFSET,
     SHM_DIR,
     SLOT_HEADER,
@@ -44,6 +57,7 @@ from asyncrl.weights.shm import (
     check_index,
     check_owner_only,
     read_pointer,
+    read_u64,
 )
 from asyncrl.weights.source import Loaded, PathUnavailable, WeightTransferError
 
@@ -51,6 +65,13 @@ if TYPE_CHECKING:
     from asyncrl.generators.backend import Backend
 
 log = logging.getLogger("asyncrl.weights")
+
+FOLLOW_POLL_S = 0.0001
+"""How long a follower sleeps when it has loaded every tensor written so far."""
+
+
+class _LeftPlan(Exception):
+    """The write being followed left its plan, or another write overlapped it."""
 
 
 class _Slot(NamedTuple):
@@ -61,6 +82,8 @@ class _Slot(NamedTuple):
     index_nbytes: int
     data_at: int
     data_nbytes: int
+    plan_seq: int
+    progress: int
 
 
 class ShmSource:
@@ -152,7 +175,7 @@ class ShmSource:
 
     def _seq(self, slot: _Slot) -> int:
         assert self._map is not None
-        return int.from_bytes(self._map[slot.start : slot.start + 8], "little")
+        return read_u64(self._map, slot.start)
 
     def _newest(self) -> _Slot | None:
         """The complete slot (even counter, ever written) with the highest version."""
@@ -194,9 +217,18 @@ class ShmSource:
         return views
 
     def sync_into(self, backend: Backend, have_version: int, deadline: float) -> Loaded | None:
-        """Load the newest complete slot if newer than ``have_version``; see the module."""
+        """Load the newest complete slot if newer than ``have_version``, or follow the write
+        of a newer one; see the module."""
         self._ensure_mapped()
         torn = False  # the engine holds a load a write overlapped
+        load_parts = getattr(backend, "load_weights_in_parts", None)
+        if load_parts is not None and FOLLOW_WRITES:
+            newest = self._newest()
+            announced = self._announced(have_version)
+            if announced is not None and (newest is None or newest.version <= have_version):
+                loaded, torn = self._follow(announced, load_parts, deadline)
+                if loaded is not None:
+                    return loaded
         for _ in range(2):
             slot = self._newest()
             if slot is None or (not torn and slot.version <= have_version):
@@ -239,6 +271,91 @@ class ShmSource:
         raise WeightTransferError(
             "shm: the learner rewrote the slot during two loads in a row", partial=torn
         )
+
+    def _announced(self, have_version: int) -> _Slot | None:
+        """A slot being written, newer than ``have_version``, whose layout is announced."""
+        assert self._map is not None
+        for index in range(SLOTS):
+            start = PAGE + index * self._slot_bytes
+            seq = read_u64(self._map, start)  # the counter first, then what it guards
+            if seq % 2 and read_u64(self._map, start + PLAN_SEQ_OFFSET) == seq:
+                slot = self._slot(index)
+                if slot.seq == seq and slot.version > have_version:
+                    return slot
+        return None
+
+    def _follow(self, slot: _Slot, load_parts, deadline: float) -> tuple[Loaded | None, bool]:
+        """Load ``slot``'s tensors as the learner writes them: ``(loaded, False)`` when that
+        write completed as announced; ``(None, partial)`` when it left its plan."""
+        assert self._map is not None
+        try:
+            views = self._views(slot)
+        except WeightTransferError:
+            if self._on_plan(slot):
+                raise
+            return None, False  # rewritten while we read the plan: nothing loaded
+        names = list(views)
+        loading = False
+
+        def parts():
+            nonlocal loading
+            done = 0
+            while done < len(names):
+                progress = read_u64(self._map, slot.start + PROGRESS_OFFSET)
+                if not self._on_plan(slot, progress):
+                    raise _LeftPlan
+                if progress > done:
+                    loading = True
+                    yield {name: views[name] for name in names[done:progress]}
+                    done = progress
+                else:
+                    self._wait(deadline, slot, "while following the write")
+
+        started = time.perf_counter()
+        try:
+            load_parts(names, parts(), slot.version)
+            while self._seq(slot) == slot.seq:  # loaded all: wait for the write's last bytes
+                self._wait(deadline, slot, "for the write to complete")
+        except _LeftPlan:
+            self.counters["overlaps"] += 1
+            log.info("shm v%d left its announced layout while followed", slot.version)
+            return None, loading
+        except WeightTransferError as error:
+            error.partial = loading
+            raise
+        except ValueError as error:  # names refused before any weight changed (contract)
+            if loading:
+                raise WeightTransferError(f"shm v{slot.version}: {error}", partial=True) from None
+            raise WeightTransferError(f"shm v{slot.version}: {error}") from None
+        except Exception as error:
+            raise WeightTransferError(
+                f"shm v{slot.version}: loading failed: {error!r}", partial=loading
+            ) from error
+        if self._seq(slot) == slot.seq + 1:
+            complete = _Slot(slot.start, *SLOT_HEADER.unpack_from(self._map, slot.start))
+            self.counters["followed"] += 1
+            load_s = time.perf_counter() - started
+            return Loaded(slot.version, complete.published_at, self.name, load_s), False
+        self.counters["overlaps"] += 1
+        log.info("shm v%d was rewritten while it was followed", slot.version)
+        return None, True
+
+    def _on_plan(self, slot: _Slot, progress: int | None = None) -> bool:
+        """The write ``slot`` was read in is still that one (or just completed it), as
+        announced."""
+        assert self._map is not None
+        if progress is None:
+            progress = read_u64(self._map, slot.start + PROGRESS_OFFSET)
+        seq = self._seq(slot)
+        return progress != PLAN_BROKEN and seq in (slot.seq, slot.seq + 1)
+
+    @staticmethod
+    def _wait(deadline: float, slot: _Slot, what: str) -> None:
+        if time.monotonic() > deadline:
+            raise WeightTransferError(
+                f"shm v{slot.version}: deadline passed {what}", deadline_missed=True
+            )
+        time.sleep(FOLLOW_POLL_S)
 
     def close(self) -> None:
         self._unmap()

@@ -4,8 +4,11 @@
 publish, sized for that version, and records its name in ``RUN_DIR/weights_shm``.
 Each later publish streams the tensors, one at a time as the learner gathers
 them, straight into the older slot: one memory copy, the learner's whole stall
-on this path. A version that no longer fits (a model that grew) retires the
-segment: readers fall back to ZeroMQ, which still gets the version.
+on this path. It first announces the layout of the version before (``shm.py``:
+the plan) and marks its progress after each tensor, so replicas may load the
+tensors already written while the rest are (``shm_reader.py``). A version
+that no longer fits (a model that grew) retires the segment: readers fall back
+to ZeroMQ, which still gets the version.
 
 A segment left by a crashed learner is removed when the next learner of the
 same run dir starts (its name is in the run dir); :meth:`close` removes it on a
@@ -35,7 +38,10 @@ from asyncrl.weights.shm import (
     INDEX_ENCODER,
     MAGIC,
     PAGE,
+    PLAN_BROKEN,
+    PLAN_SEQ_OFFSET,
     POINTER_FILE,
+    PROGRESS_OFFSET,
     RETIRED_OFFSET,
     SHM_DIR,
     SLOT_HEADER,
@@ -45,6 +51,7 @@ from asyncrl.weights.shm import (
     data_nbytes,
     read_pointer,
     round_up,
+    write_u64,
 )
 from asyncrl.weights.snapshot import NamedTensors
 
@@ -75,6 +82,7 @@ class ShmWriter:
         self._data_cap = 0
         self._next_slot = 0
         self._seq = [0] * SLOTS
+        self._plan: list[TensorEntry] = []  # the last complete version's layout
         remove_leftover(run_dir, shm_dir)
 
     @property
@@ -125,8 +133,10 @@ class ShmWriter:
         assert self._map is not None and not self.retired
         slot = self._next_slot
         start = PAGE + slot * self._slot_bytes
-        self._seq[slot] += 1  # odd: readers skip or discard this slot
-        SLOT_HEADER.pack_into(self._map, start, self._seq[slot], version, 0.0, 0, 0, 0)
+        self._seq[slot] += 1  # odd: readers skip or discard this slot, or follow the plan
+        seq = self._seq[slot]
+        write_u64(self._map, start, seq)
+        self._announce(start, seq, version)
         items = iter(tensors.items() if isinstance(tensors, Mapping) else tensors)
         written: list[tuple[str, torch.Tensor]] = []
         entries: list[TensorEntry] = []
@@ -138,27 +148,66 @@ class ShmWriter:
                     f"its index is {len(index)} bytes, the slots hold {self._index_cap}"
                 )
         except _Outgrown as error:
+            self._break_plan(start)
             self.retire(f"v{version} does not fit the shared-memory slots: {error}")
             return written + [(name, _host_copy(name, t)) for name, t in items]
+        kept_plan = entries == self._plan
+        if not kept_plan:
+            self._break_plan(start)  # fewer tensors than announced
         index_at = start + SLOT_HEADER_BYTES
         self._map[index_at : index_at + len(index)] = index
         end = data_nbytes(entries)
-        self._seq[slot] += 1  # even: complete
         # fields first, the counter last (struct writes go out in order on x86-64)
         SLOT_HEADER.pack_into(
             self._map,
             start,
-            self._seq[slot] - 1,
+            seq,
             version,
             time.time(),
             len(index),
             self._data_at,
             end,
+            seq if kept_plan else 0,
+            len(entries) if kept_plan else PLAN_BROKEN,
         )
-        self._map[start : start + 8] = self._seq[slot].to_bytes(8, "little")
+        self._seq[slot] += 1  # even: complete
+        write_u64(self._map, start, self._seq[slot])
+        self._plan = entries
         self._next_slot = (slot + 1) % SLOTS
         self.counters["shm_published"] += 1
         return written
+
+    def _announce(self, start: int, seq: int, version: int) -> None:
+        """Put the last version's layout in the slot as this write's plan, then mark the plan
+        as this write's (``plan_seq``): readers may follow from here on."""
+        assert self._map is not None
+        index = _encode_index(self._plan) if self._plan else b""
+        fits = 0 < len(index) <= self._index_cap
+        if fits:
+            index_at = start + SLOT_HEADER_BYTES
+            self._map[index_at : index_at + len(index)] = index
+        SLOT_HEADER.pack_into(
+            self._map,
+            start,
+            seq,
+            version,
+            0.0,
+            len(index) if fits else 0,
+            self._data_at,
+            data_nbytes(self._plan) if fits else 0,
+            0,
+            0 if fits else PLAN_BROKEN,
+        )
+        if fits:
+            write_u64(self._map, start + PLAN_SEQ_OFFSET, seq)
+        else:
+            self._plan = []
+
+    def _break_plan(self, start: int) -> None:
+        """Tell followers this write left its plan: they read the slot once complete."""
+        assert self._map is not None
+        write_u64(self._map, start + PROGRESS_OFFSET, PLAN_BROKEN)
+        self._plan = []
 
     def _write_tensors(
         self,
@@ -170,6 +219,7 @@ class ShmWriter:
         assert self._map is not None
         offset = 0
         names: set[str] = set()
+        plan = self._plan
         for name, tensor in items:
             if name in names:
                 raise ValueError(f"tensor '{name}' is published twice")
@@ -179,13 +229,19 @@ class ShmWriter:
             if offset + nbytes > self._data_cap:
                 written.append((name, _host_copy(name, tensor)))
                 raise _Outgrown(f"tensor '{name}' ends past {self._data_cap} bytes")
+            entry = TensorEntry(name, dtype, tuple(tensor.shape), offset, nbytes)
+            if plan and (len(entries) >= len(plan) or plan[len(entries)] != entry):
+                self._break_plan(start)
+                plan = []
             view = torch.frombuffer(
                 self._map, dtype=torch.uint8, count=nbytes, offset=start + self._data_at + offset
             ) if nbytes else torch.empty(0, dtype=torch.uint8)  # fmt: skip
             view = view.view(FROM_NAME[dtype]).reshape(tensor.shape)
             view.copy_(tensor.detach())
             written.append((name, view))
-            entries.append(TensorEntry(name, dtype, tuple(tensor.shape), offset, nbytes))
+            entries.append(entry)
+            if plan:  # after the bytes: a follower may load this tensor now
+                write_u64(self._map, start + PROGRESS_OFFSET, len(entries))
             offset = round_up(offset + nbytes, ALIGN)
 
     def retire(self, why: str) -> None:

@@ -267,3 +267,47 @@ def test_a_rejected_state_dict_leaves_the_loaded_weights_unchanged():
         backend.load_weights(state_dict, version=1)
     for name, tensor in backend.model.state_dict().items():
         assert torch.equal(tensor, before[name]), name
+
+
+def test_a_tensor_of_the_wrong_shape_is_refused_before_any_weight_changes():
+    backend = make_backend()
+    before = {name: t.clone() for name, t in backend.model.state_dict().items()}
+    state_dict = perturbed(backend.model.state_dict())
+    state_dict["model.norm.weight"] = state_dict["model.norm.weight"][:1]  # would broadcast
+    with pytest.raises(ValueError, match=r"model\.norm\.weight.*shape"):
+        backend.load_weights(state_dict, version=1)
+    assert backend.version == 0
+    for name, tensor in backend.model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+
+
+def test_weights_loaded_in_parts_hold_the_new_version_only_after_the_last_part():
+    backend = make_backend()
+    state_dict = perturbed(backend.model.state_dict())
+    names = list(state_dict)
+    seen_versions = []
+
+    def parts():
+        for start in range(0, len(names), 3):
+            seen_versions.append(backend.version)
+            yield {name: state_dict[name] for name in names[start : start + 3]}
+
+    backend.load_weights_in_parts(names, parts(), version=4)
+    assert seen_versions and set(seen_versions) == {0} and backend.version == 4
+    for name, tensor in backend.model.state_dict().items():
+        assert torch.equal(tensor, state_dict[name]), name
+
+
+def test_loading_in_parts_checks_every_name_before_the_first_part():
+    backend = make_backend()
+    state_dict = perturbed(backend.model.state_dict())
+    names = [name for name in state_dict if name != "model.norm.weight"]
+    consumed = []
+
+    def parts():
+        consumed.append(True)
+        yield state_dict
+
+    with pytest.raises(ValueError, match=r"model\.norm\.weight"):
+        backend.load_weights_in_parts(names, parts(), version=1)
+    assert not consumed and backend.version == 0

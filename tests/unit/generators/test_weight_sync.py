@@ -148,3 +148,22 @@ def test_a_path_that_loads_past_its_deadline_is_kept_and_counted():
     chain = WeightSync([Slow("shm", 4), Loads("zmq", 4)], deadline_s=0.1, replica="gen-0")
     assert chain.sync(Engine(3)).path == "shm"  # whole and checked: no reason to drop it
     assert chain.counters["weights_deadline_missed"] == 1
+
+
+class CountingShm(Loads):
+    """The shm path, with the counters ShmSource keeps, one the buffer does not accept."""
+
+    def __init__(self):
+        super().__init__("shm", 4)
+        self.counters = {"overlaps": 2, "followed": 1, "unheard_of": 5}
+
+
+def test_the_shm_paths_overlaps_and_follows_reach_the_stats_the_buffer_accepts():
+    chain = WeightSync([CountingShm(), Loads("zmq", 4)], deadline_s=5.0, replica="gen-0")
+    chain.sync(Engine(3))
+    assert chain.stats() == {
+        "weights_loads_shm": 1.0,
+        "weights_shm_overlaps": 2.0,
+        "weights_shm_followed": 1.0,
+    }
+    assert set(chain.stats()) <= WEIGHT_SYNC_STATS

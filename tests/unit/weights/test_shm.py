@@ -186,6 +186,131 @@ def test_two_overlapped_reads_in_a_row_raise_a_partial_load(dirs):
     writer.close()
 
 
+# ---------------------------------------------------------------- following a write
+
+
+class PartsBackend(CopyingBackend):
+    """An engine that loads in parts (as the HF backend does), noting when each part came."""
+
+    def __init__(self):
+        super().__init__()
+        self.parts: list[list[str]] = []
+
+    def load_weights_in_parts(self, names, parts, version):
+        check_state_dict(NAMES, set(), dict.fromkeys(names), version)
+        for part in parts:
+            self.parts.append(list(part))
+            self.weights.update({name: tensor.clone() for name, tensor in part.items()})
+        self.version = version
+
+
+def paced(version: int, gates: list[threading.Event], reached: list[threading.Event]):
+    """``tensors(version)`` one at a time: before tensor i, say so and wait for gate i."""
+    for index, item in enumerate(tensors(version).items()):
+        reached[index].set()
+        assert gates[index].wait(30)
+        yield item
+
+
+def test_a_reader_follows_a_write_loading_each_tensor_before_the_next_is_written(dirs):
+    run_dir, shm_dir = dirs
+    writer = started_writer(run_dir, shm_dir, versions=(1, 2))  # v2 announces the layout
+    gates = [threading.Event() for _ in NAMES]
+    reached = [threading.Event() for _ in NAMES]
+    publishing = threading.Thread(target=writer.publish, args=(paced(3, gates, reached), 3))
+    source, backend = ShmSource(run_dir, shm_dir), PartsBackend()
+    backend.version = 2
+    publishing.start()
+    try:
+        gates[0].set()
+        assert reached[1].wait(30)  # "w" written, "b" held back
+        # an engine that cannot load in parts finds nothing newer than v2 yet
+        assert source.sync_into(CopyingBackend(), 2, far()) is None
+
+        def release_each_after_its_part():
+            for index in (1, 2):
+                while len(backend.parts) < index:
+                    time.sleep(0.001)
+                gates[index].set()
+
+        releasing = threading.Thread(target=release_each_after_its_part)
+        releasing.start()
+        loaded = source.sync_into(backend, 2, far())
+        releasing.join(30)
+    finally:
+        for gate in gates:
+            gate.set()
+        publishing.join(30)
+    assert (loaded.version, loaded.path) == (3, "shm") and backend.version == 3
+    assert backend.parts == [["w"], ["b"], ["h"]]  # each loaded before the next was written
+    assert source.counters["followed"] == 1 and source.counters["overlaps"] == 0
+    expect_version(backend.weights, 3)
+    source.close()
+    writer.close()
+
+
+def test_a_write_that_leaves_its_announced_layout_is_loaded_whole_after_the_mix(dirs):
+    run_dir, shm_dir = dirs
+    writer = started_writer(run_dir, shm_dir, versions=(1, 2))
+    gates = [threading.Event() for _ in range(2)]
+    reached = [threading.Event() for _ in range(2)]
+
+    def grown(version):  # "b" grows: the write leaves the layout it announced
+        yield "w", tensors(version)["w"]
+        reached[0].set()
+        assert gates[0].wait(30)
+        yield "b", torch.tensor([version, 2 * version, 3 * version])
+        reached[1].set()
+        assert gates[1].wait(30)  # held until the reader is done
+        yield "h", tensors(version)["h"]
+
+    publishing = threading.Thread(target=writer.publish, args=(grown(3), 3))
+    source, backend = ShmSource(run_dir, shm_dir), PartsBackend()
+    backend.version = 2
+    publishing.start()
+    try:
+        assert reached[0].wait(30)
+        threading.Timer(0.2, gates[0].set).start()  # once the reader follows
+        loaded = source.sync_into(backend, 2, far())
+        assert reached[1].wait(30)  # the write went on past "b", held before "h"
+    finally:
+        for gate in gates:
+            gate.set()
+        publishing.join(30)
+    assert backend.parts[0] == ["w"]  # v3's "w" was loaded: the engine held a mix
+    assert loaded.version == 2 and backend.version == 2  # then v2 whole, from its slot
+    expect_version(backend.weights, 2)
+    assert source.counters["overlaps"] == 1 and source.counters["followed"] == 0
+    assert source.sync_into(backend, 2, far()).version == 3  # complete now: read whole
+    assert backend.weights["b"].tolist() == [3, 6, 9]
+    source.close()
+    writer.close()
+
+
+def test_a_followed_write_that_stalls_past_the_deadline_is_a_partial_load(dirs):
+    run_dir, shm_dir = dirs
+    writer = started_writer(run_dir, shm_dir, versions=(1, 2))
+    gates = [threading.Event() for _ in NAMES]
+    reached = [threading.Event() for _ in NAMES]
+    gates[0].set()  # "w" is written, then the learner stalls
+    publishing = threading.Thread(target=writer.publish, args=(paced(3, gates, reached), 3))
+    source, backend = ShmSource(run_dir, shm_dir), PartsBackend()
+    backend.version = 2
+    publishing.start()
+    try:
+        assert reached[1].wait(30)
+        with pytest.raises(WeightTransferError, match="deadline") as caught:
+            source.sync_into(backend, 2, time.monotonic() + 0.3)
+    finally:
+        for gate in gates:
+            gate.set()
+        publishing.join(30)
+    assert caught.value.partial and caught.value.deadline_missed
+    assert backend.parts == [["w"]] and backend.version == 2
+    source.close()
+    writer.close()
+
+
 # ---------------------------------------------------------------- what a reader refuses
 
 
