@@ -79,7 +79,8 @@ def module_of(shapes: list[tuple[str, tuple[int, ...], torch.dtype]]) -> torch.n
 
 class ModuleBackend:
     """What the paths need of ``HFBackend``: ``model``, ``version``, ``load_weights`` and
-    ``load_weights_in_parts`` (the copy into the parameters is the HF backend's own)."""
+    ``load_weights_in_parts`` (the copy into the parameters is the HF backend's own:
+    ``load_module_in_parts``)."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -92,13 +93,10 @@ class ModuleBackend:
         self.load_weights_in_parts(list(state_dict), [state_dict], version)
 
     def load_weights_in_parts(self, names, parts, version: int) -> None:
-        from asyncrl.generators.backend import check_state_dict, copy_parameters
+        from asyncrl.generators.backend import load_module_in_parts
 
         started = time.monotonic()
-        parameters = self.model.state_dict()
-        check_state_dict(set(parameters), set(), dict.fromkeys(names), version)
-        for part in parts:
-            copy_parameters(parameters, part, version)
+        load_module_in_parts(self.model, set(), names, parts, version)
         self.version = version
         self.load_s += time.monotonic() - started
 
@@ -305,7 +303,7 @@ def measure_path(
     nbytes = sum(t.numel() * t.element_size() for t in params.values())
     expect = stream_crc(params.values())
     sink = Sink(path, bucket_bytes, chunk_bytes)
-    result: dict = {"stalls_cold_s": [], "stalls_s": []}
+    result: dict = {"stalls_cold_s": []}
     most = max(counts)
     try:
         replicas.ask(most, ("open", path, sink.where))
@@ -337,7 +335,6 @@ def measure_path(
                         if any(crc != expect for crc in crcs):
                             raise AssertionError(f"{path}: a replica loaded other bytes")
                     continue
-                result["stalls_s"].append(stall)
                 runs.append(run)
             loaded = statistics.median(r["loaded_s"] for r in runs)
             replica = statistics.median(r["replica_s"] for r in runs)
@@ -358,7 +355,6 @@ def measure_path(
                 f"stall {statistics.median(r['stall_s'] for r in runs):.3f}s",
                 flush=True,
             )
-        result["stall_s"] = statistics.median(result["stalls_s"])
         result["sink_stats"] = sink.stats()
     finally:
         with contextlib.suppress(Exception):

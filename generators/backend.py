@@ -126,6 +126,25 @@ def check_state_dict(
         raise ValueError(f"weights v{version} do not fit the model: {problem}")
 
 
+def load_module_in_parts(
+    module: torch.nn.Module,
+    optional: set[str],
+    names: Iterable[str],
+    parts: Iterable[Mapping[str, torch.Tensor]],
+    version: int,
+) -> None:
+    """Copy ``parts`` into ``module``'s parameters: every name checked before the first part
+    (:func:`check_state_dict`), each part then by :func:`copy_parameters`. The body of an
+    in-process engine's ``load_weights_in_parts``."""
+    import torch
+
+    parameters = module.state_dict()  # detached views of the parameters
+    check_state_dict(set(parameters), optional, dict.fromkeys(names), version)
+    with torch.no_grad():
+        for part in parts:
+            copy_parameters(parameters, part, version)
+
+
 def copy_parameters(
     parameters: Mapping[str, torch.Tensor], part: Mapping[str, torch.Tensor], version: int
 ) -> None:

@@ -33,8 +33,7 @@ from asyncrl.generators.backend import (
     Rollout,
     StopStrings,
     append_tokens,
-    check_state_dict,
-    copy_parameters,
+    load_module_in_parts,
 )
 
 __all__ = ["HFBackend", "Rollout"]  # Rollout lives in asyncrl.generators.backend
@@ -95,14 +94,10 @@ class HFBackend:
         """``load_weights`` with the tensors arriving in parts (see Backend): the names are
         checked first, each part is copied in as it comes, ``version`` holds after the last."""
         start = time.perf_counter()
-        parameters = self.model.state_dict()  # detached views of the parameters
         optional = set()
         if getattr(self.model.config, "tie_word_embeddings", False):
             optional.add("lm_head.weight")  # tied to the embedding, may be omitted
-        check_state_dict(set(parameters), optional, dict.fromkeys(names), version)
-        with torch.no_grad():
-            for part in parts:
-                copy_parameters(parameters, part, version)
+        load_module_in_parts(self.model, optional, names, parts, version)
         self.version = version
         self.last_load_s = time.perf_counter() - start
 

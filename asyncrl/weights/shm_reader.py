@@ -169,8 +169,10 @@ class ShmSource:
     # ------------------------------------------------------------------ reading
 
     def _slot(self, index: int) -> _Slot:
+        return self._slot_at(PAGE + index * self._slot_bytes)
+
+    def _slot_at(self, start: int) -> _Slot:
         assert self._map is not None
-        start = PAGE + index * self._slot_bytes
         return _Slot(start, *SLOT_HEADER.unpack_from(self._map, start))
 
     def _seq(self, slot: _Slot) -> int:
@@ -279,7 +281,7 @@ class ShmSource:
             start = PAGE + index * self._slot_bytes
             seq = read_u64(self._map, start)  # the counter first, then what it guards
             if seq % 2 and read_u64(self._map, start + PLAN_SEQ_OFFSET) == seq:
-                slot = self._slot(index)
+                slot = self._slot_at(start)
                 if slot.seq == seq and slot.version > have_version:
                     return slot
         return None
@@ -323,19 +325,17 @@ class ShmSource:
         except WeightTransferError as error:
             error.partial = loading
             raise
-        except ValueError as error:  # names refused before any weight changed (contract)
-            if loading:
-                raise WeightTransferError(f"shm v{slot.version}: {error}", partial=True) from None
-            raise WeightTransferError(f"shm v{slot.version}: {error}") from None
+        except ValueError as error:  # refused: names before any part, shapes before each
+            raise WeightTransferError(f"shm v{slot.version}: {error}", partial=loading) from None
         except Exception as error:
             raise WeightTransferError(
                 f"shm v{slot.version}: loading failed: {error!r}", partial=loading
             ) from error
         if self._seq(slot) == slot.seq + 1:
-            complete = _Slot(slot.start, *SLOT_HEADER.unpack_from(self._map, slot.start))
+            published_at = self._slot_at(slot.start).published_at
             self.counters["followed"] += 1
             load_s = time.perf_counter() - started
-            return Loaded(slot.version, complete.published_at, self.name, load_s), False
+            return Loaded(slot.version, published_at, self.name, load_s), False
         self.counters["overlaps"] += 1
         log.info("shm v%d was rewritten while it was followed", slot.version)
         return None, True
