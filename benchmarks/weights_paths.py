@@ -78,9 +78,10 @@ def module_of(shapes: list[tuple[str, tuple[int, ...], torch.dtype]]) -> torch.n
 
 
 class ModuleBackend:
-    """What the paths need of ``HFBackend``: ``model``, ``version``, ``load_weights`` and
-    ``load_weights_in_parts`` (the copy into the parameters is the HF backend's own:
-    ``load_module_in_parts``)."""
+    """What the paths need of ``HFBackend``: ``model``, ``version``, ``load_weights``,
+    ``load_weights_in_parts``, ``weight_buffers`` and ``weights_written`` (the copy into the
+    parameters, and their buffers, are the HF backend's own: ``load_module_in_parts``,
+    ``module_buffers``)."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -99,6 +100,15 @@ class ModuleBackend:
         load_module_in_parts(self.model, set(), names, parts, version)
         self.version = version
         self.load_s += time.monotonic() - started
+
+    def weight_buffers(self, buckets):
+        from asyncrl.generators.backend import module_buffers
+
+        self._homes = module_buffers(self.model, buckets, getattr(self, "_homes", None))
+        return self._homes
+
+    def weights_written(self, version: int) -> None:
+        self.version = version
 
 
 def open_source(path: str, where, name: str, context):
@@ -262,6 +272,7 @@ class Sink:
                 key,
                 bucket_bytes=bucket_bytes,
                 deadline_s=600.0,
+                run_dir=self.run_dir,
             )
             self.sink = WithBroadcast(self.sink, sender)
             self.where = (tuple(sender.address), key, bucket_bytes)
@@ -330,7 +341,8 @@ def measure_path(
                 if index < warmups:
                     if count == counts[0]:  # the first publishes of this shape: fresh memory
                         result["stalls_cold_s"].append(stall)
-                    if index == 0:  # the bytes each replica holds are the learner's
+                    if index in (0, warmups - 1):  # the replicas hold the learner's bytes:
+                        # after the first publish, and after one shm and collective follow
                         crcs = replicas.ask(count, ("crc",))
                         if any(crc != expect for crc in crcs):
                             raise AssertionError(f"{path}: a replica loaded other bytes")

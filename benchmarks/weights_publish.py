@@ -409,11 +409,12 @@ def stage_lines(report: dict) -> list[str]:
         "Where the time goes, one replica, in memcpys of the policy (medians; the stages "
         "of the median run need not add up to its total exactly, and shm's overlap: its "
         "replica loads while the learner writes): the learner's `publish`; from the "
-        "publish's start to the replica's try that loaded the version (collective: the "
-        "broadcast serves the ZeroMQ snapshot, which the shm sink's thread copies after "
-        "the publish); the transfer (zmq: fetch and checks; shm: mapping and index checks; "
-        "collective: ask, offer, broadcast into staging); the load (the copy into the "
-        "module; shm: also the waits for the learner's next tensor).",
+        "publish's start to the replica's try that loaded the version; the transfer (zmq: "
+        "fetch and checks; shm: mapping and index checks; collective: ask, offer, the "
+        "broadcast of the slot's bytes as the learner writes them, straight into the "
+        "module's tensors, and the verdict); the load (the copy into the module; shm: "
+        "also the waits for the learner's next tensor; collective: none, the bytes land "
+        "in the module's tensors).",
         "",
         "| model | path | publish to loaded | publish (stall) | waiting for the version "
         "| transfer | load |",
@@ -504,15 +505,16 @@ def readings(report: dict) -> list[str]:
     if links:
         bare = span([r["memcpy_gbps"] / r["gloo_raw_gbps"] for r in links])
         lines.append(
-            f"- collective: the transfer (ask, offer, gloo broadcast into staging) takes "
-            f"{stage('collective', 'transfer')} memcpys; a bare gloo broadcast of the same "
-            f"bytes between two processes, measured in the same run, takes {bare}: that is "
-            f"the link here (loopback TCP, every byte copied through the kernel twice), and "
-            f"the path's own overhead is the difference. Before it, the replica waits "
-            f"{stage('collective', 'waited_s')} "
-            f"memcpys for the version: the broadcast serves the ZeroMQ snapshot, which the shm "
-            f"sink fills from a thread after the publish, so the bytes are copied twice on the "
-            f"learner before they are sent; then the load, {stage('collective', 'load_s')}."
+            f"- collective: the transfer (ask, offer, the gloo broadcast of the slot's "
+            f"bytes as the learner writes them, into the module's own tensors, and the "
+            f"verdict) takes {stage('collective', 'transfer')} memcpys; a bare gloo "
+            f"broadcast of the same bytes between two processes, measured in the same run, "
+            f"takes {bare}: that is the link here (loopback TCP, every byte copied through "
+            f"the kernel twice), and the path's own overhead is the difference: mostly the "
+            f"wait for the first bucket (the embedding, written first, is one) and the "
+            f"learner's write, which shares the 2 cores with both ends of the broadcast. The "
+            f"replica waits {stage('collective', 'waited_s')} memcpys before its try, and "
+            f"loads for {stage('collective', 'load_s')}."
         )
     if all("zmq" in r["paths"] for r in results):
         lines.append(

@@ -25,7 +25,7 @@ optional extra). :func:`asyncrl.generators.engines.build_backend` picks one from
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -100,6 +100,14 @@ class Backend(Protocol):
     #     come) are checked first, ValueError before anything changes; each part is copied in
     #     as it arrives; ``version`` holds after the last. An exception from ``parts`` leaves
     #     a mix of two versions: the caller must load a whole one before generating."""
+    #
+    # Optional (the collective path then receives straight into the engine's tensors):
+    # def weight_buffers(self, buckets: Sequence[Bucket]) -> list[torch.Tensor] | None:
+    #     """One flat byte buffer per bucket that *is* the engine's tensors, laid out as the
+    #     buckets say (the first call for a layout moves them there; None: it cannot be).
+    #     Bytes written there change the weights at once: a broken transfer leaves a mix."""
+    # def weights_written(self, version: int) -> None:
+    #     """The buffers hold ``version`` now: later tokens get it, caches go."""
 
     def abort(self, rollouts: Iterable[Rollout]) -> None:
         """Stop generating ``rollouts`` in the chunk now in progress; safe from any thread.
@@ -143,6 +151,48 @@ def load_module_in_parts(
     with torch.no_grad():
         for part in parts:
             copy_parameters(parameters, part, version)
+
+
+def module_buffers(
+    module: torch.nn.Module, buckets: Sequence, held: list[torch.Tensor] | None
+) -> list[torch.Tensor] | None:
+    """Flat byte buffers, one per bucket (``dtype``, ``nbytes``, ``tensors`` with ``name``,
+    ``shape`` and byte ``offset``), that are ``module``'s own tensors, so that a bucket
+    received into its buffer is loaded without a copy. ``held``: the buffers an earlier
+    call returned, reused while the tensors still live there; otherwise the tensors are
+    moved into new ones (one copy, once per layout). None when the layout cannot be the
+    module's: a name it lacks, another dtype or shape, a tensor under two names.
+    The body of an in-process engine's ``weight_buffers``."""
+    import torch
+
+    tensors = module.state_dict(keep_vars=True)  # the live tensors, by every name
+    placed: list[tuple[int, int, torch.Tensor]] = []  # bucket, byte offset, live tensor
+    seen: set[int] = set()
+    for number, bucket in enumerate(buckets):
+        dtype = getattr(torch, bucket.dtype, None)
+        for tensor in bucket.tensors:
+            live = tensors.get(tensor.name)
+            if live is None or live.dtype != dtype or tuple(live.shape) != tuple(tensor.shape):
+                return None
+            if live.data_ptr() in seen and live.numel():  # tied: one tensor, two names
+                return None
+            seen.add(live.data_ptr())
+            placed.append((number, tensor.offset, live))
+    sizes = [bucket.nbytes for bucket in buckets]
+    if (
+        held is not None
+        and [flat.numel() for flat in held] == sizes
+        and all(live.data_ptr() == held[n].data_ptr() + at for n, at, live in placed)
+    ):
+        return held
+    flats = [torch.empty(size, dtype=torch.uint8) for size in sizes]
+    with torch.no_grad():
+        for number, at, live in placed:
+            nbytes = live.numel() * live.element_size()
+            home = flats[number][at : at + nbytes].view(live.dtype).view(live.shape)
+            home.copy_(live)
+            live.data = home
+    return flats
 
 
 def copy_parameters(

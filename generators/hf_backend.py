@@ -34,6 +34,7 @@ from asyncrl.generators.backend import (
     StopStrings,
     append_tokens,
     load_module_in_parts,
+    module_buffers,
 )
 
 __all__ = ["HFBackend", "Rollout"]  # Rollout lives in asyncrl.generators.backend
@@ -68,6 +69,8 @@ class HFBackend:
         self.sampling = sampling
         self.version = 0
         self.last_load_s = 0.0
+        self._homes: list[torch.Tensor] | None = None  # weight_buffers' (collective path)
+        self._receiving_since = 0.0
         self._lock = threading.Lock()
         self._in_chunk: set[int] = set()  # ids of the rollouts the running chunk generates
         self._aborted: frozenset[int] = frozenset()
@@ -100,6 +103,18 @@ class HFBackend:
         load_module_in_parts(self.model, optional, names, parts, version)
         self.version = version
         self.last_load_s = time.perf_counter() - start
+
+    def weight_buffers(self, buckets: Sequence) -> list[torch.Tensor] | None:
+        """The model's tensors as one flat buffer per bucket (see Backend): the collective
+        path receives into them, with no copy after the transfer."""
+        self._receiving_since = time.perf_counter()
+        self._homes = module_buffers(self.model, buckets, self._homes)
+        return self._homes
+
+    def weights_written(self, version: int) -> None:
+        """The buffers hold ``version`` (no cache outlives a chunk here, as in load_weights)."""
+        self.version = version
+        self.last_load_s = time.perf_counter() - self._receiving_since
 
     def abort(self, rollouts: Iterable[Rollout]) -> None:
         """End ``rollouts`` at the next token of the running chunk (any thread); see Backend."""

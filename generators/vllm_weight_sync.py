@@ -14,7 +14,8 @@ in-memory loads, called through ``collective_rpc`` on the collective path:
   with an iterator: layer-wise loading plus the per-layer weight processing,
   e.g. the CPU backend's GEMM repacking) as they arrive. Each bucket is a
   fresh tensor, never a reused one: the reload keeps the loaded tensors of a
-  layer until the layer is complete, which may be a bucket later;
+  layer until the layer is complete, which may be a bucket later. Then the
+  verdict: a version the learner rewrote while it was sent is a partial load;
 - ``asyncrl_leave_group``: drop the group (a timed-out group is not reusable).
 
 In place means a transfer that fails midway leaves the layers it reached
@@ -43,7 +44,7 @@ from asyncrl.weights.collective import (
     local_address_towards,
     make_group,
 )
-from asyncrl.weights.collective_buckets import Offer, seal, unseal
+from asyncrl.weights.collective_buckets import VERDICT_INTACT, Offer, seal, unseal
 from asyncrl.weights.collective_receiver import tensor_views
 from asyncrl.weights.source import WeightTransferError
 
@@ -74,15 +75,16 @@ class CollectiveWeightExtension(WeightLoaderExtension):
         self._asyncrl_store = None
 
     def asyncrl_receive(self, offer_bytes: bytes, tied: list[str] | None, timeout_s: float) -> dict:
-        """Receive the offer's buckets into the running model; how far it got, and why not
-        further: ``{"buckets": received, "error": "", "timed_out": False}``."""
+        """Receive the offer's buckets into the running model, then the verdict; how far it
+        got, and why not further: ``{"buckets": received, "error": "", "timed_out": False,
+        "overwritten": False}``."""
         offer = unseal(offer_bytes, None, _IN_PROCESS, Offer)
         group = getattr(self, "_asyncrl_group", None)
         deadline = time.monotonic() + timeout_s
         device = getattr(self, "device", torch.device("cpu"))
         names = {tensor.name for bucket in offer.buckets for tensor in bucket.tensors}
         head = tied[1] if tied and tied[1] not in names else None
-        report = {"buckets": 0, "error": "", "timed_out": False}
+        report = {"buckets": 0, "error": "", "timed_out": False, "overwritten": False}
 
         def arriving():
             """Each bucket's tensors as the bucket arrives; on a failure, stop feeding."""
@@ -98,6 +100,11 @@ class CollectiveWeightExtension(WeightLoaderExtension):
                         yield name, view
                         if head is not None and name == tied[0]:
                             yield head, view  # vLLM holds the tied head untied (vllm_backend)
+                verdict = torch.zeros(1, dtype=torch.int64, device=device)
+                broadcast(group, verdict, deadline - time.monotonic())
+                if int(verdict.item()) != VERDICT_INTACT:
+                    report["overwritten"] = True
+                    raise RuntimeError(f"v{offer.version} was rewritten while it was sent")
             except Exception as error:
                 report["error"] = f"{type(error).__name__}: {error}"[:500]
                 report["timed_out"] = is_timeout(error)
@@ -144,6 +151,7 @@ class VLLMInPlace:
                 f"{len(offer.buckets)} buckets: {failed[0]['error']}",
                 partial=reached > 0,
                 deadline_missed=any(report["timed_out"] for report in failed),
+                overwritten=all(report["overwritten"] for report in failed),
             )
         backend._reset_prefix_cache()  # no KV computed with the old weights is reused
         backend.version = offer.version

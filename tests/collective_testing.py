@@ -40,12 +40,27 @@ class ModuleBackend:
         self.model = model
         self.version = 0
         self.last_load_s = 0.0
+        self.homes = None
 
     def load_weights(self, state_dict, version: int) -> None:
         missing = set(self.model.state_dict()) - set(state_dict)
         if missing:
             raise ValueError(f"missing {sorted(missing)}")
         self.model.load_state_dict(dict(state_dict))
+        self.version = version
+
+
+class HomingBackend(ModuleBackend):
+    """Also ``weight_buffers``, as the HF backend: the collective path receives straight
+    into the module's tensors (``module_buffers``, the HF backend's own)."""
+
+    def weight_buffers(self, buckets):
+        from asyncrl.generators.backend import module_buffers
+
+        self.homes = module_buffers(self.model, buckets, self.homes)
+        return self.homes
+
+    def weights_written(self, version: int) -> None:
         self.version = version
 
 
@@ -68,9 +83,19 @@ def pause_after_buckets(count: int, pipe) -> None:
 
 
 def replica_main(
-    address, key, bucket_bytes: int, width: int, pipe, *, name="replica-0", layers=0, pause=None
+    address,
+    key,
+    bucket_bytes: int,
+    width: int,
+    pipe,
+    *,
+    name="replica-0",
+    layers=0,
+    pause=None,
+    homing=False,
 ) -> None:
-    """A replica: a CollectiveSource (and a ZeroMQ client on demand) into a ModuleBackend."""
+    """A replica: a CollectiveSource (and a ZeroMQ client on demand) into a ModuleBackend
+    (``homing``: a HomingBackend)."""
     import zmq
 
     from asyncrl.weights import WeightClient
@@ -80,7 +105,7 @@ def replica_main(
     torch.set_num_threads(1)
     if pause is not None:
         pause_after_buckets(pause, pipe)
-    backend = ModuleBackend(small_model(0, width, layers))
+    backend = (HomingBackend if homing else ModuleBackend)(small_model(0, width, layers))
     source = CollectiveSource(address, key, name, bucket_bytes=bucket_bytes)
     context = zmq.Context()
     while True:

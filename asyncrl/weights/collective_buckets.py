@@ -1,15 +1,20 @@
 """How a version travels on the collective path: flat buckets, and the header that says so.
 
-The learner packs a version's tensors into flat buckets, one dtype per bucket,
-in index order: each bucket holds whole tensors end to end, at most
-``bucket_bytes`` of them, and a tensor larger than that is a bucket of its own
-(a receiver that loads bucket by bucket, as vLLM does, needs whole tensors). A
-bucket is one broadcast. Before the first one the learner sends an
-:class:`Offer`: the version and, per bucket, its dtype, size and the names,
-shapes and byte offsets of its tensors. The receiver checks the offer
-(:func:`check_offer`) before it receives a byte: sizes that add up, known
-dtypes, the names and shapes its engine expects, nothing missing, nothing
-extra, so that what it receives can only land where it belongs.
+The learner sends a version's tensors in flat buckets of one dtype: each
+bucket holds whole tensors, at most ``bucket_bytes`` of them, and a tensor
+larger than that is a bucket of its own (a receiver that loads bucket by
+bucket, as vLLM does, needs whole tensors). A bucket is one broadcast. Sent
+from the shared-memory slot (:func:`plan_slot_buckets`), a bucket is a byte
+range of the slot, so its tensors keep the slot's 64-byte alignment; packed
+from a snapshot (:func:`plan_buckets`), they lie end to end. Before the first
+bucket the learner sends an :class:`Offer`: the version and, per bucket, its
+dtype, size and the names, shapes and byte offsets of its tensors. The
+receiver checks the offer (:func:`check_offer`) before it receives a byte:
+sizes that add up, known dtypes, the names and shapes its engine expects,
+nothing missing, nothing extra, so that what it receives can only land where
+it belongs. After the last bucket comes one more broadcast, the verdict
+(:data:`VERDICT_INTACT` or not): whether the bytes sent are all that version's,
+since the learner may have rewritten the slot while it was being sent.
 
 Replies travel through the group's store, which anyone who reaches its port
 may write: each is signed (:func:`seal`, HMAC-SHA256 with the group key,
@@ -36,6 +41,11 @@ MAX_MESSAGE_BYTES = 64 << 20
 """The largest signed message a side opens (a 1000-layer model's offer is about 1 MB)."""
 MAX_BUCKETS = 1 << 16
 MAX_DIMS = 8
+ALIGN = 64
+"""A tensor in a bucket starts right after the one before, or at the next multiple of this."""
+VERDICT_INTACT = 1
+"""The verdict broadcast (one int64) after the last bucket when every byte sent was the
+offered version's; anything else: the version was rewritten meanwhile, discard it."""
 
 
 class BucketTensor(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
@@ -168,6 +178,40 @@ def plan_buckets(
     return planned
 
 
+def plan_slot_buckets(
+    tensors: Sequence[TensorEntry], bucket_bytes: int
+) -> list[tuple[Bucket, int, int]]:
+    """Buckets as byte ranges of a shared-memory slot whose ``tensors`` (its index, offsets
+    into the slot's data) are written in order: each bucket with the count of tensors that
+    must be written before it can go, and the offset of its first byte.
+
+    A bucket is a run of consecutive tensors of one dtype, at most ``bucket_bytes`` from
+    its first byte to its last (a tensor larger than that is a bucket of its own); the
+    gaps the slot's alignment leaves between them travel too: no copy to pack them.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    planned: list[tuple[Bucket, int, int]] = []
+    members: list[BucketTensor] = []
+    start = end = 0
+    dtype = ""
+
+    def close(written: int) -> None:
+        planned.append((Bucket(dtype, end - start, tuple(members)), written, start))
+
+    for index, entry in enumerate(tensors):
+        if members and (entry.dtype != dtype or entry.offset + entry.nbytes - start > bucket_bytes):
+            close(index)
+            members = []
+        if not members:
+            start, dtype = entry.offset, entry.dtype
+        members.append(BucketTensor(entry.name, tuple(entry.shape), entry.offset - start))
+        end = entry.offset + entry.nbytes
+    if members:
+        close(len(tensors))
+    return planned
+
+
 def check_offer(
     offer: Offer,
     have_version: int,
@@ -180,8 +224,8 @@ def check_offer(
     ``expected``: the engine's tensors by name (None: names unknown here, the
     engine checks them); ``optional`` may be missing (a tied LM head). A bucket
     of several tensors is at most ``bucket_bytes``; its tensors tile it from
-    byte 0 without gaps or overlaps; dtypes and dimensions are sane; no name
-    twice.
+    byte 0, each right after the one before or at the next multiple of
+    :data:`ALIGN`; dtypes and dimensions are sane; no name twice.
     """
 
     def refuse(problem: str) -> None:
@@ -204,9 +248,10 @@ def check_offer(
             seen.add(tensor.name)
             if len(tensor.shape) > MAX_DIMS or any(d < 0 for d in tensor.shape):
                 refuse(f"tensor '{tensor.name}' has shape {tensor.shape}")
-            if tensor.offset != position:
+            aligned = -(-position // ALIGN) * ALIGN
+            if tensor.offset not in (position, aligned):
                 refuse(f"tensor '{tensor.name}' is at byte {tensor.offset}, not {position}")
-            position += nbytes_of(bucket.dtype, tensor.shape)
+            position = tensor.offset + nbytes_of(bucket.dtype, tensor.shape)
             spec = expected.get(tensor.name) if expected is not None else Spec(None, None)
             if spec is None:
                 refuse(f"tensor '{tensor.name}' is not one of the engine's")

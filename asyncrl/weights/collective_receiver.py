@@ -5,15 +5,25 @@ At its first sync the source joins the learner's weight-update groups
 the group's store, for a version newer than the one held, checks the signed
 :class:`Offer` against the engine's tensors, and receives the buckets:
 
-- HF backend (the policy is a module in this process): into staging buckets
-  kept from one sync to the next, then one ``backend.load_weights`` of views
-  into them. A transfer that fails leaves the old weights untouched.
+- an engine that holds its tensors in buckets (``backend.weight_buffers``, the
+  HF backend: the policy is a module in this process): straight into its
+  tensors, which it moved into one flat buffer per bucket at the first sync,
+  so nothing is copied after the transfer. A transfer that fails midway
+  leaves a mix: ``WeightTransferError(partial=True)``, and the chain reloads
+  a whole version by the next path before a token is generated;
+- any other in-process engine: into staging buckets kept from one sync to the
+  next, then one ``backend.load_weights`` of views into them. A transfer that
+  fails leaves the old weights untouched;
 - an engine that loads in place (``backend.in_place_weights``, vLLM's workers:
   ``generators/vllm_weight_sync.py``): the engine's workers are the group's
   ranks 1.. and load each bucket as it arrives. A transfer that fails there
   leaves a partial load, said with ``WeightTransferError(partial=True)``.
 
-Any failure (the deadline, a closed group, a refused offer) destroys the
+After the buckets comes the verdict: a version the learner rewrote while it
+was sent (``collective_outgoing.py``) is refused, ``overwritten``, and read
+whole from shared memory, the next path; the group stays.
+
+Any other failure (the deadline, a closed group, a refused offer) destroys the
 group and raises :class:`WeightTransferError`: the chain falls back to the
 next path, and the next sync joins again with a new group. A replica that
 cannot join (no learner store yet) tries again after ``rejoin_after_s``,
@@ -49,6 +59,7 @@ from asyncrl.weights.collective import (
     reply_key,
 )
 from asyncrl.weights.collective_buckets import (
+    VERDICT_INTACT,
     Accept,
     Ask,
     Bucket,
@@ -155,11 +166,16 @@ class CollectiveSource:
             try:
                 self.engine.receive_in_place(reply, deadline - started)
             except WeightTransferError as error:
-                self._leave()
+                if not error.overwritten:
+                    self._leave()
                 error.deadline_missed = error.deadline_missed or time.monotonic() >= deadline
                 raise
+        elif (homes := self._engine_buffers(backend, reply)) is not None:
+            self._receive(reply, homes, deadline, into_engine=True)
+            backend.weights_written(reply.version)
         else:
-            state_dict = self._receive(reply, deadline)
+            self._receive(reply, self._staging_for(reply), deadline, into_engine=False)
+            state_dict = bucket_views(reply, self._staging)
             try:
                 backend.load_weights(state_dict, reply.version)
             except ValueError as error:  # checked before any weight changed
@@ -235,23 +251,40 @@ class CollectiveSource:
                 deadline_missed=time.monotonic() >= deadline,
             ) from error
 
-    def _receive(self, offer: Offer, deadline: float) -> dict[str, torch.Tensor]:
-        """The offer's buckets, received into the staging buckets, as named views."""
+    @staticmethod
+    def _engine_buffers(backend, offer: Offer) -> list[torch.Tensor] | None:
+        """The engine's own tensors as the offer's buckets, where it can hold them so."""
+        weight_buffers = getattr(backend, "weight_buffers", None)
+        return None if weight_buffers is None else weight_buffers(offer.buckets)
+
+    def _staging_for(self, offer: Offer) -> list[torch.Tensor]:
+        """Staging buckets for the offer, kept from one sync to the next."""
         layout = [(bucket.dtype, bucket.nbytes) for bucket in offer.buckets]
         if layout != self._layout:
             self._staging = [torch.empty(n, dtype=torch.uint8) for _, n in layout]
             self._layout = layout
+        return self._staging
+
+    def _receive(
+        self, offer: Offer, flats: list[torch.Tensor], deadline: float, *, into_engine: bool
+    ) -> None:
+        """The offer's buckets into ``flats``, then the verdict; ``into_engine``: the flats
+        are the engine's tensors, so any failure leaves a mix (``partial``)."""
+        verdict = torch.zeros(1, dtype=torch.int64)
         try:
-            for bucket, flat in zip(offer.buckets, self._staging, strict=True):
+            for bucket, flat in zip(offer.buckets, flats, strict=True):
                 if bucket.nbytes:
                     broadcast(self.group, flat, deadline - time.monotonic())
+            broadcast(self.group, verdict, deadline - time.monotonic())
         except Exception as error:
             self._leave()
             raise WeightTransferError(
                 f"collective: receiving v{offer.version} failed: {error}",
+                partial=into_engine,
                 deadline_missed=is_timeout(error) or time.monotonic() >= deadline,
             ) from error
-        return bucket_views(offer, self._staging)
+        if int(verdict.item()) != VERDICT_INTACT:
+            raise overwritten(offer.version, partial=into_engine)
 
     def _leave(self) -> None:
         """Destroy the group (a timed-out group is not reusable); the next sync re-joins."""
@@ -265,6 +298,14 @@ class CollectiveSource:
 
     def close(self) -> None:
         self._leave()
+
+
+def overwritten(version: int, *, partial: bool) -> WeightTransferError:
+    """The learner rewrote the slot while v``version`` was sent: the group is fine, the
+    bytes are not; the next path (shared memory) reads the version whole."""
+    return WeightTransferError(
+        f"collective: v{version} was rewritten while it was sent", partial=partial, overwritten=True
+    )
 
 
 def bucket_views(offer: Offer, buckets: list[torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,13 +1,13 @@
 """Learner rank 0's side of the collective path: admit members, broadcast what they ask for.
 
-:class:`CollectiveSender` serves the snapshots the ZeroMQ publisher already
-holds (:class:`~asyncrl.weights.snapshot.SnapshotStore`): nothing is added to
-the learner's publish, the only stall. A thread admits join requests
+:class:`CollectiveSender` sends what the learner's publish already wrote: the
+shared-memory slot, followed while it is written, or else the ZeroMQ
+publisher's snapshot (:mod:`.collective_outgoing`). Nothing is added to the
+learner's publish, the only stall. A thread admits join requests
 (:mod:`asyncrl.weights.collective`); each member then has a thread of its own
 that waits for the member's signed :class:`Ask`, answers with the newest
-version's :class:`Offer` (or :class:`UpToDate`) and broadcasts its buckets:
-a one-tensor bucket straight from the snapshot's buffer, a bucket of several
-packed into a staging buffer on the member's thread, off the training path.
+version's :class:`Offer` (or :class:`UpToDate`), broadcasts its buckets, and
+then the verdict: whether the slot still held that version once all was sent.
 
 Each broadcast has what is left of ``deadline_s`` as its gloo timeout. A
 member that misses it (a stopped or stalled replica) is cancelled there:
@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,17 +48,18 @@ from asyncrl.weights.collective import (
     serve_store,
 )
 from asyncrl.weights.collective_buckets import (
+    VERDICT_INTACT,
     Accept,
     Ask,
-    Bucket,
     JoinRequest,
     Offer,
     UpToDate,
-    plan_buckets,
     seal,
     unseal,
 )
-from asyncrl.weights.snapshot import Snapshot, SnapshotStore
+from asyncrl.weights.collective_outgoing import SlotVersion, newest_in_slots, newest_in_snapshots
+from asyncrl.weights.shm_reader import ShmSource
+from asyncrl.weights.snapshot import SnapshotStore
 from asyncrl.weights.source import WeightTransferError
 
 if TYPE_CHECKING:
@@ -83,10 +85,14 @@ class CollectiveSender:
         bucket_bytes: int,
         deadline_s: float,
         device: torch.device | None = None,
+        run_dir: Path | None = None,
     ):
-        """Serve ``snapshots`` at ``host:port`` (0: a free port, then ``address.port``);
-        ``key`` signs every message (None: ``cluster.auth`` off, anyone may join)."""
+        """Serve at ``host:port`` (0: a free port, then ``address.port``) the shared-memory
+        segment the learner of ``run_dir`` writes, and ``snapshots`` where it has nothing
+        newer (``run_dir`` None: only ``snapshots``); ``key`` signs every message (None:
+        ``cluster.auth`` off, anyone may join)."""
         self.snapshots = snapshots
+        self.run_dir = run_dir
         self.key = key
         self.bucket_bytes = bucket_bytes
         self.deadline_s = deadline_s
@@ -96,7 +102,6 @@ class CollectiveSender:
         self.counters: Counter[str] = Counter()
         self.members: dict[str, _Member] = {}
         self._lock = threading.Lock()
-        self._plans: dict[int, list[tuple[Bucket, list[int]]]] = {}
         self._nonces: set[str] = set()
         self._tickets = itertools.count()
         self._stop = threading.Event()
@@ -106,15 +111,6 @@ class CollectiveSender:
     def count(self, name: str, by: int = 1) -> None:
         with self._lock:
             self.counters[name] += by
-
-    def plan(self, snapshot: Snapshot) -> list[tuple[Bucket, list[int]]]:
-        """The buckets of ``snapshot`` (computed once per version, shared by the members)."""
-        with self._lock:
-            plan = self._plans.get(snapshot.version)
-            if plan is None:
-                plan = plan_buckets(snapshot.tensors, self.bucket_bytes)
-                self._plans = {snapshot.version: plan, **dict(list(self._plans.items())[-1:])}
-            return plan
 
     # ------------------------------------------------------------------ admission
 
@@ -218,6 +214,8 @@ class _Member(threading.Thread):
         self.next_ask = 0
         self.group: dist.ProcessGroup | None = None
         self.staging: torch.Tensor | None = None
+        self.slots = ShmSource(sender.run_dir) if sender.run_dir is not None else None
+        """The member's own mapping of the segment (a reader's, read-only)."""
 
     def stop(self) -> None:
         """End the thread: it waits on its next ask's key, so set that key (to nothing)."""
@@ -243,6 +241,8 @@ class _Member(threading.Thread):
             self._serve(client)
         finally:
             self.group = None  # destroyed: a member that comes back makes a new one
+            if self.slots is not None:
+                self.slots.close()
             sender.drop(self)
 
     def _serve(self, client: dist.Store) -> None:
@@ -278,30 +278,28 @@ class _Member(threading.Thread):
         """Offer and broadcast the newest version; False when the group is done for."""
         sender = self.sender
         context = f"reply:{self.ticket}:{ask}"
-        snapshot = None
-        for _ in range(3):  # a version may be recycled between newest() and checkout()
-            newest = sender.snapshots.newest()
-            if newest is None or newest.version <= have_version or not newest.pieces:
-                latest = -1 if newest is None else newest.version
-                client.set(reply_key(self.ticket, ask), seal(UpToDate(latest), sender.key, context))
+        outgoing = None
+        if self.slots is not None:
+            outgoing = newest_in_slots(self.slots, have_version, sender.bucket_bytes)
+        if outgoing is None:
+            found = newest_in_snapshots(sender.snapshots, have_version, sender.bucket_bytes)
+            if isinstance(found, int):
+                client.set(reply_key(self.ticket, ask), seal(UpToDate(found), sender.key, context))
                 return True
-            snapshot, _ = sender.snapshots.checkout(newest.version, 0)
-            if snapshot is not None:
-                break
-        if snapshot is None:
-            client.set(reply_key(self.ticket, ask), seal(UpToDate(-1), sender.key, context))
-            return True
+            outgoing = found
         started = time.monotonic()
         try:
-            plan = sender.plan(snapshot)
-            offer = Offer(snapshot.version, snapshot.published_at, tuple(b for b, _ in plan))
+            offer = Offer(outgoing.version, outgoing.published_at, outgoing.buckets)
             client.set(reply_key(self.ticket, ask), seal(offer, sender.key, context))
             deadline = started + sender.deadline_s
-            for bucket, indices in plan:
+            for number, bucket in enumerate(outgoing.buckets):
                 if bucket.nbytes:
-                    tensor = self._pack(snapshot, bucket, indices)
+                    tensor = self._on_device(outgoing.bucket(number, deadline, self._stage))
                     broadcast(self.group, tensor, deadline - time.monotonic())
                     sender.count("bytes_sent", bucket.nbytes)
+            intact = outgoing.intact(deadline)
+            verdict = torch.tensor([VERDICT_INTACT if intact else 0], device=self.device)
+            broadcast(self.group, verdict, deadline - time.monotonic())
         except Exception as error:
             sender.drop(self)  # first: whoever reads the count sees the member gone
             missed = is_timeout(error)
@@ -309,7 +307,7 @@ class _Member(threading.Thread):
             log.warning(
                 "collective: sending v%d to %s %s after %.1fs (%s); its group is dropped and "
                 "it re-joins",
-                snapshot.version,
+                outgoing.version,
                 self.replica,
                 "missed the deadline" if missed else "failed",
                 time.monotonic() - started,
@@ -317,29 +315,35 @@ class _Member(threading.Thread):
             )
             return False
         finally:
-            sender.snapshots.release(snapshot, [])
+            outgoing.release()
+        if not intact:  # the replica discards it and reads the slot by the next path
+            sender.count("transfers_overwritten")
+            log.info("collective: v%d was rewritten while sent to %s", offer.version, self.replica)
+            return True
         sender.count("transfers_finished")
+        if isinstance(outgoing, SlotVersion):
+            sender.count("transfers_followed" if outgoing.following else "transfers_from_slot")
         return True
 
-    def _pack(self, snapshot: Snapshot, bucket: Bucket, indices: list[int]) -> torch.Tensor:
-        """The bucket's bytes as one tensor on the sender's device: a one-tensor bucket is the
-        snapshot's buffer itself (on CPU); several are copied into the staging buffer."""
-        device = self.device
-        if len(indices) == 1 and device.type == "cpu":
-            return snapshot.buffers[indices[0]].reshape(-1).view(torch.uint8)
-        if self.staging is None or self.staging.numel() < bucket.nbytes:
-            size = max(bucket.nbytes, min(self.sender.bucket_bytes, 1 << 30))
-            self.staging = torch.empty(size, dtype=torch.uint8, device=device)
-        flat = self.staging[: bucket.nbytes]
-        for tensor, index in zip(bucket.tensors, indices, strict=True):
-            source = snapshot.buffers[index].reshape(-1).view(torch.uint8)
-            flat[tensor.offset : tensor.offset + source.numel()].copy_(source, non_blocking=True)
-        return flat
+    def _stage(self, nbytes: int) -> torch.Tensor:
+        """The member's staging buffer on its device, grown to ``nbytes`` when needed."""
+        if self.staging is None or self.staging.numel() < nbytes:
+            size = max(nbytes, min(self.sender.bucket_bytes, 1 << 30))
+            self.staging = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return self.staging
+
+    def _on_device(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` where the group sends from (a host slot's bytes to the GPU for NCCL)."""
+        if flat.device == self.device:
+            return flat
+        staged = self._stage(flat.numel())[: flat.numel()]
+        staged.copy_(flat)
+        return staged
 
 
 class WithBroadcast:
     """Rank 0's sink with the collective path beside it: publishes through ``sink`` (whose
-    ZeroMQ snapshots the broadcast serves), reports and closes both."""
+    shared-memory slot, or ZeroMQ snapshot, the broadcast sends), reports and closes both."""
 
     def __init__(self, sink, sender: CollectiveSender):
         self.sink = sink
@@ -360,9 +364,10 @@ class WithBroadcast:
         self.sink.close()
 
 
-def learner_sender(config: Config, snapshots: SnapshotStore) -> CollectiveSender:
+def learner_sender(config: Config, snapshots: SnapshotStore, run_dir: Path) -> CollectiveSender:
     """The run's sender on learner rank 0: the group store at ``cluster.bind`` (or
-    ``cluster.host``) and ``weights.group_port``, serving ``snapshots``."""
+    ``cluster.host``) and ``weights.group_port``, serving the segment of ``run_dir`` and
+    ``snapshots``."""
     from asyncrl.weights.collective import group_key
 
     weights, cluster = config.weights, config.cluster
@@ -378,4 +383,5 @@ def learner_sender(config: Config, snapshots: SnapshotStore) -> CollectiveSender
         group_key(cluster, create=True),
         bucket_bytes=weights.bucket_bytes,
         deadline_s=weights.deadline_s,
+        run_dir=run_dir,
     )

@@ -55,14 +55,14 @@ def learner_sink(
 ) -> WeightPublisher | ShmPublisher | WithBroadcast:
     """Rank 0's sink for the shm and zmq paths: ``zmq`` alone when configured, else shared
     memory first and ``zmq`` fed from it (:mod:`.shm_publisher`); with ``collective`` also
-    the broadcast beside it (:class:`~.collective_sender.WithBroadcast`), serving the
-    snapshots ``zmq`` holds."""
+    the broadcast beside it (:class:`~.collective_sender.WithBroadcast`), sending from the
+    segment (or the snapshots ``zmq`` holds)."""
     if config.weights.transport == "zmq":
         remove_leftover(run_dir)  # of an earlier shm run of this run dir that crashed
         return zmq
     sink = ShmPublisher(zmq, ShmWriter(run_dir))
-    if config.weights.transport == "collective":  # the broadcast serves zmq's snapshots
+    if config.weights.transport == "collective":  # the broadcast sends the slot beside it
         from asyncrl.weights.collective_sender import WithBroadcast, learner_sender
 
-        return WithBroadcast(sink, learner_sender(config, zmq.snapshots))
+        return WithBroadcast(sink, learner_sender(config, zmq.snapshots, run_dir))
     return sink

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import msgspec
 import torch
 
+from asyncrl.messages import TensorEntry
 from asyncrl.weights.layout import FROM_NAME
 from asyncrl.weights.shm import (
     FOLLOW_WRITES,
@@ -74,7 +75,7 @@ class _LeftPlan(Exception):
     """The write being followed left its plan, or another write overlapped it."""
 
 
-class _Slot(NamedTuple):
+class Slot(NamedTuple):
     start: int
     seq: int
     version: int
@@ -112,7 +113,7 @@ class ShmSource:
             return True
         return (info.st_ino, info.st_mtime_ns) != self._pointer_stamp
 
-    def _ensure_mapped(self) -> mmap.mmap:
+    def ensure_mapped(self) -> mmap.mmap:
         if self.run_dir is None:
             raise PathUnavailable("shm: this replica has no run dir of the learner's")
         if self._map is not None and (self._retired() or self._pointer_changed()):
@@ -168,24 +169,24 @@ class ShmSource:
 
     # ------------------------------------------------------------------ reading
 
-    def _slot(self, index: int) -> _Slot:
+    def _slot(self, index: int) -> Slot:
         return self._slot_at(PAGE + index * self._slot_bytes)
 
-    def _slot_at(self, start: int) -> _Slot:
+    def _slot_at(self, start: int) -> Slot:
         assert self._map is not None
-        return _Slot(start, *SLOT_HEADER.unpack_from(self._map, start))
+        return Slot(start, *SLOT_HEADER.unpack_from(self._map, start))
 
-    def _seq(self, slot: _Slot) -> int:
+    def seq(self, slot: Slot) -> int:
         assert self._map is not None
         return read_u64(self._map, slot.start)
 
-    def _newest(self) -> _Slot | None:
+    def newest(self) -> Slot | None:
         """The complete slot (even counter, ever written) with the highest version."""
         complete = [s for s in map(self._slot, range(SLOTS)) if s.seq and s.seq % 2 == 0]
         return max(complete, key=lambda s: s.version, default=None)
 
-    def _views(self, slot: _Slot) -> dict[str, torch.Tensor]:
-        """The slot's tensors as read-only views of the mapping, after checking its index."""
+    def index(self, slot: Slot) -> list[TensorEntry]:
+        """The slot's tensor index, checked against the slot's bounds."""
         assert self._map is not None
         where = f"shm v{slot.version}"
         if (
@@ -204,35 +205,48 @@ class ShmSource:
         except msgspec.MsgspecError as error:
             raise WeightTransferError(f"{where}: corrupt tensor index: {error}") from None
         check_index(tensors, slot.data_nbytes, slot.version)
-        base = slot.start + slot.data_at
-        views = {}
-        with warnings.catch_warnings():  # a read-only mapping: the engine only copies from it
+        return tensors
+
+    def data(self, slot: Slot, offset: int, nbytes: int) -> torch.Tensor:
+        """Bytes ``[offset, offset + nbytes)`` of the slot's data: a read-only view of the
+        mapping (whoever reads it only copies or sends from it)."""
+        assert self._map is not None
+        if not nbytes:
+            return torch.empty(0, dtype=torch.uint8)
+        at = slot.start + slot.data_at + offset
+        with warnings.catch_warnings():  # torch warns that the buffer is not writable
             warnings.simplefilter("ignore", UserWarning)
-            for entry in tensors:
-                if entry.nbytes:
-                    raw = torch.frombuffer(
-                        self._map, dtype=torch.uint8, count=entry.nbytes, offset=base + entry.offset
-                    )
-                else:
-                    raw = torch.empty(0, dtype=torch.uint8)
-                views[entry.name] = raw.view(FROM_NAME[entry.dtype]).reshape(entry.shape)
-        return views
+            return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=at)
+
+    def progress(self, slot: Slot) -> int:
+        """How many tensors the write of ``slot`` has finished (or PLAN_BROKEN)."""
+        assert self._map is not None
+        return read_u64(self._map, slot.start + PROGRESS_OFFSET)
+
+    def _views(self, slot: Slot) -> dict[str, torch.Tensor]:
+        """The slot's tensors as read-only views of the mapping, after checking its index."""
+        return {
+            entry.name: self.data(slot, entry.offset, entry.nbytes)
+            .view(FROM_NAME[entry.dtype])
+            .reshape(entry.shape)
+            for entry in self.index(slot)
+        }
 
     def sync_into(self, backend: Backend, have_version: int, deadline: float) -> Loaded | None:
         """Load the newest complete slot if newer than ``have_version``, or follow the write
         of a newer one; see the module."""
-        self._ensure_mapped()
+        self.ensure_mapped()
         torn = False  # the engine holds a load a write overlapped
         load_parts = getattr(backend, "load_weights_in_parts", None)
         if load_parts is not None and FOLLOW_WRITES:
-            newest = self._newest()
-            announced = self._announced(have_version)
+            newest = self.newest()
+            announced = self.announced(have_version)
             if announced is not None and (newest is None or newest.version <= have_version):
                 loaded, torn = self._follow(announced, load_parts, deadline)
                 if loaded is not None:
                     return loaded
         for _ in range(2):
-            slot = self._newest()
+            slot = self.newest()
             if slot is None or (not torn and slot.version <= have_version):
                 if torn:
                     break
@@ -246,7 +260,7 @@ class ShmSource:
             try:
                 views = self._views(slot)
             except WeightTransferError as error:
-                if self._seq(slot) == slot.seq:
+                if self.seq(slot) == slot.seq:
                     error.partial = torn
                     raise
                 views = None  # the header changed under us: an overlap, not corruption
@@ -265,7 +279,7 @@ class ShmSource:
                 finally:
                     del views
                 load_s = time.perf_counter() - started
-                if self._seq(slot) == slot.seq:
+                if self.seq(slot) == slot.seq:
                     return Loaded(slot.version, slot.published_at, self.name, load_s)
                 torn = True
             self.counters["overlaps"] += 1
@@ -274,7 +288,7 @@ class ShmSource:
             "shm: the learner rewrote the slot during two loads in a row", partial=torn
         )
 
-    def _announced(self, have_version: int) -> _Slot | None:
+    def announced(self, have_version: int) -> Slot | None:
         """A slot being written, newer than ``have_version``, whose layout is announced."""
         assert self._map is not None
         for index in range(SLOTS):
@@ -286,14 +300,14 @@ class ShmSource:
                     return slot
         return None
 
-    def _follow(self, slot: _Slot, load_parts, deadline: float) -> tuple[Loaded | None, bool]:
+    def _follow(self, slot: Slot, load_parts, deadline: float) -> tuple[Loaded | None, bool]:
         """Load ``slot``'s tensors as the learner writes them: ``(loaded, False)`` when that
         write completed as announced; ``(None, partial)`` when it left its plan."""
         assert self._map is not None
         try:
             views = self._views(slot)
         except WeightTransferError:
-            if self._on_plan(slot):
+            if self.on_plan(slot):
                 raise
             return None, False  # rewritten while we read the plan: nothing loaded
         names = list(views)
@@ -303,8 +317,8 @@ class ShmSource:
             nonlocal loading
             done = 0
             while done < len(names):
-                progress = read_u64(self._map, slot.start + PROGRESS_OFFSET)
-                if not self._on_plan(slot, progress):
+                progress = self.progress(slot)
+                if not self.on_plan(slot, progress):
                     raise _LeftPlan
                 if progress > done:
                     loading = True
@@ -316,7 +330,7 @@ class ShmSource:
         started = time.perf_counter()
         try:
             load_parts(names, parts(), slot.version)
-            while self._seq(slot) == slot.seq:  # loaded all: wait for the write's last bytes
+            while self.seq(slot) == slot.seq:  # loaded all: wait for the write's last bytes
                 self._wait(deadline, slot, "for the write to complete")
         except _LeftPlan:
             self.counters["overlaps"] += 1
@@ -331,7 +345,7 @@ class ShmSource:
             raise WeightTransferError(
                 f"shm v{slot.version}: loading failed: {error!r}", partial=loading
             ) from error
-        if self._seq(slot) == slot.seq + 1:
+        if self.seq(slot) == slot.seq + 1:
             published_at = self._slot_at(slot.start).published_at
             self.counters["followed"] += 1
             load_s = time.perf_counter() - started
@@ -340,17 +354,17 @@ class ShmSource:
         log.info("shm v%d was rewritten while it was followed", slot.version)
         return None, True
 
-    def _on_plan(self, slot: _Slot, progress: int | None = None) -> bool:
+    def on_plan(self, slot: Slot, progress: int | None = None) -> bool:
         """The write ``slot`` was read in is still that one (or just completed it), as
         announced."""
         assert self._map is not None
         if progress is None:
-            progress = read_u64(self._map, slot.start + PROGRESS_OFFSET)
-        seq = self._seq(slot)
+            progress = self.progress(slot)
+        seq = self.seq(slot)
         return progress != PLAN_BROKEN and seq in (slot.seq, slot.seq + 1)
 
     @staticmethod
-    def _wait(deadline: float, slot: _Slot, what: str) -> None:
+    def _wait(deadline: float, slot: Slot, what: str) -> None:
         if time.monotonic() > deadline:
             raise WeightTransferError(
                 f"shm v{slot.version}: deadline passed {what}", deadline_missed=True

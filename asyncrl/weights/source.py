@@ -22,13 +22,22 @@ class WeightTransferError(RuntimeError):
 
     ``partial``: the engine may hold part of the new version (a load began and did not
     finish), so it must not generate until a later load succeeds. ``deadline_missed``:
-    the failure was the deadline, counted apart from other failures.
+    the failure was the deadline, counted apart from other failures. ``overwritten``: the
+    learner rewrote the version while it was read; the path itself is sound.
     """
 
-    def __init__(self, message: str, *, partial: bool = False, deadline_missed: bool = False):
+    def __init__(
+        self,
+        message: str,
+        *,
+        partial: bool = False,
+        deadline_missed: bool = False,
+        overwritten: bool = False,
+    ):
         super().__init__(message)
         self.partial = partial
         self.deadline_missed = deadline_missed
+        self.overwritten = overwritten
 
 
 class PathUnavailable(WeightTransferError):

@@ -56,7 +56,10 @@ def assert_holds(pipe, version: int) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_replica_stopped_mid_broadcast_is_cut_off_and_falls_back_to_zmq(caplog):
+@pytest.mark.parametrize("homing", [False, True], ids=["staging", "into-the-model"])
+def test_a_replica_stopped_mid_broadcast_is_cut_off_and_falls_back_to_zmq(caplog, homing):
+    """``homing``: the replica receives straight into its module's tensors, so the broken
+    transfer leaves a mix, said (``partial``) and replaced whole by ZeroMQ."""
     caplog.set_level(logging.WARNING, logger="asyncrl.weights")
     publisher = WeightPublisher(tcp("127.0.0.1", free_port()))
     sender = CollectiveSender(
@@ -71,7 +74,7 @@ def test_a_replica_stopped_mid_broadcast_is_cut_off_and_falls_back_to_zmq(caplog
     pipes, processes = [], []
     for name, pause in (("stalled-0", PAUSE_AFTER), ("steady-1", None)):
         here, there = spawn.Pipe()
-        target = partial(replica_main, name=name, layers=LAYERS, pause=pause)
+        target = partial(replica_main, name=name, layers=LAYERS, pause=pause, homing=homing)
         process = spawn.Process(
             target=target, args=(sender.address, KEY, BUCKET_BYTES, WIDTH, there), daemon=True
         )
@@ -111,8 +114,13 @@ def test_a_replica_stopped_mid_broadcast_is_cut_off_and_falls_back_to_zmq(caplog
         assert reply is not None and reply[0] == "error", reply
         _, kind, message, partial_load, _, trace, held = reply
         assert kind == "WeightTransferError", trace
-        assert partial_load is False and held == 0, message  # the old weights, untouched
-        assert_holds_initial(stalled)
+        assert held == 0, message  # the version is not claimed
+        if homing:
+            assert partial_load is True, message  # v1's first buckets are in the model
+            assert_holds_mix(stalled)
+        else:
+            assert partial_load is False, message
+            assert_holds_initial(stalled)  # the old weights, untouched
 
         # the chain's next path: ZeroMQ brings one whole version, the newest
         assert command(stalled, "zmq", publisher.endpoint) == ("ok", 2, 2)
@@ -145,3 +153,13 @@ def assert_holds_initial(pipe) -> None:
     assert status == "ok" and held == 0
     initial = version_tensors(0, WIDTH, LAYERS)
     assert all(torch.equal(state[name], tensor) for name, tensor in initial.items())
+
+
+def assert_holds_mix(pipe) -> None:
+    """The replica's module has some tensors of v1 and some of the initial weights."""
+    status, state, _ = command(pipe, "params")
+    assert status == "ok"
+    initial, first = version_tensors(0, WIDTH, LAYERS), version_tensors(1, WIDTH, LAYERS)
+    new = [name for name, tensor in first.items() if torch.equal(state[name], tensor)]
+    old = [name for name, tensor in initial.items() if torch.equal(state[name], tensor)]
+    assert new and old and len(new) + len(old) == len(first), (len(new), len(old))

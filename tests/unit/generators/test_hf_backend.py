@@ -311,3 +311,57 @@ def test_loading_in_parts_checks_every_name_before_the_first_part():
     with pytest.raises(ValueError, match=r"model\.norm\.weight"):
         backend.load_weights_in_parts(names, parts(), version=1)
     assert not consumed and backend.version == 0
+
+
+def offer_buckets(state_dict: dict[str, torch.Tensor], skip: set[str]):
+    """The collective path's buckets for ``state_dict`` as the shm slot lays it out."""
+    from asyncrl.messages import TensorEntry
+    from asyncrl.weights.collective_buckets import plan_slot_buckets
+    from asyncrl.weights.shm import aligned_layout
+
+    names = [name for name in state_dict if name not in skip]
+    entries: list[TensorEntry] = aligned_layout(
+        [(name, "float32", tuple(state_dict[name].shape)) for name in names]
+    )
+    return [bucket for bucket, _, _ in plan_slot_buckets(entries, 4096)]
+
+
+def test_weight_buffers_are_the_models_tensors_so_bytes_written_there_are_loaded():
+    backend = make_backend()
+    before = {name: t.clone() for name, t in backend.model.state_dict().items()}
+    buckets = offer_buckets(before, {"lm_head.weight"})  # tied: the embedding carries it
+    flats = backend.weight_buffers(buckets)
+    assert flats is not None and len(flats) == len(buckets) > 1
+    for name, tensor in backend.model.state_dict().items():  # moved, not changed
+        assert torch.equal(tensor, before[name]), name
+    assert backend.weight_buffers(buckets) is flats  # kept while the tensors live there
+
+    new = perturbed(before)
+    for bucket, flat in zip(buckets, flats, strict=True):  # what a broadcast would write
+        for tensor in bucket.tensors:
+            nbytes = new[tensor.name].numel() * 4
+            flat[tensor.offset : tensor.offset + nbytes].copy_(
+                new[tensor.name].reshape(-1).view(torch.uint8)
+            )
+    assert backend.version == 0
+    backend.weights_written(7)
+    assert backend.version == 7
+    for name, tensor in backend.model.state_dict().items():
+        assert torch.equal(tensor, new[name]), name  # the tied head too: one tensor
+    rollouts = make_rollouts()
+    backend.generate_chunk(rollouts, CHUNK)  # the model runs on its new home
+    assert all(r.token_versions and set(r.token_versions) == {7} for r in rollouts)
+
+
+def test_weight_buffers_refuse_a_layout_the_model_cannot_hold_as_its_own():
+    backend = make_backend()
+    state = backend.model.state_dict()
+    both_tied_names = offer_buckets(state, set())  # one tensor under two names
+    assert backend.weight_buffers(both_tied_names) is None
+    as_bf16 = [
+        bucket.__class__("bfloat16", bucket.nbytes, bucket.tensors)
+        for bucket in offer_buckets(state, {"lm_head.weight"})
+    ]
+    assert backend.weight_buffers(as_bf16) is None
+    for name, tensor in backend.model.state_dict().items():  # nothing moved or changed
+        assert torch.equal(tensor, state[name]), name

@@ -15,10 +15,12 @@ from asyncrl.weights.collective_buckets import (
     UpToDate,
     check_offer,
     plan_buckets,
+    plan_slot_buckets,
     seal,
     unseal,
 )
 from asyncrl.weights.collective_receiver import bucket_views
+from asyncrl.weights.shm import aligned_layout
 from asyncrl.weights.source import WeightTransferError
 
 KEY = b"k" * 32
@@ -157,3 +159,38 @@ def test_bucket_views_read_each_tensor_where_the_header_puts_it():
     assert views["b"].dtype == torch.bfloat16 and torch.equal(views["b"], b)
     assert torch.equal(views["d"], d)
     assert views["c"].data_ptr() == flat.data_ptr() + 24  # a view, not a copy
+
+
+def slot_entries() -> list[TensorEntry]:
+    """As a shm slot holds them: each at a 64-byte boundary (a: 0, b: 64, c: 128, d: 192,
+    e: 256)."""
+    return aligned_layout(
+        [
+            ("a", "float32", (2, 3)),
+            ("b", "float32", (5,)),
+            ("c", "bfloat16", (4,)),
+            ("d", "float32", (40,)),
+            ("e", "float32", (3,)),
+        ]
+    )
+
+
+def test_slot_buckets_are_byte_ranges_of_runs_of_one_dtype_with_the_gaps_inside():
+    planned = plan_slot_buckets(slot_entries(), 100)
+    # a and b (64 + 20 bytes), then c alone (its dtype), d alone (160 > 100), e
+    assert [(b.dtype, b.nbytes, written, start) for b, written, start in planned] == [
+        ("float32", 84, 2, 0),
+        ("bfloat16", 8, 3, 128),
+        ("float32", 160, 4, 192),
+        ("float32", 12, 5, 384),
+    ]
+    first = planned[0][0]
+    assert [(t.name, t.offset) for t in first.tensors] == [("a", 0), ("b", 64)]
+    offer = Offer(3, 0.0, tuple(bucket for bucket, _, _ in planned))
+    check_offer(offer, 2, None, set(), 100)  # the alignment gap is allowed
+
+
+def test_a_gap_other_than_the_alignment_is_refused():
+    gap = Bucket(F32, 44, (BucketTensor("a", (2, 3), 0), BucketTensor("b", (5,), 24 + 8)))
+    with pytest.raises(WeightTransferError, match="'b' is at byte 32, not 24"):
+        check_offer(forged([gap]), 2, None, set(), 100)

@@ -1,0 +1,159 @@
+"""What the learner broadcasts to a member: the shared-memory slot, followed, or a snapshot.
+
+The learner's rank 0 writes each version once, into the shared-memory slot
+(``shm_writer.py``). The broadcast sends from there (:class:`SlotVersion`):
+each bucket is a byte range of the slot, sent as it is, with no packing copy,
+and while the learner is still writing a version whose layout it announced,
+each bucket goes the moment the writer's progress has passed its last tensor.
+So the broadcast runs beside the learner's write instead of after it, and
+after no second copy into the ZeroMQ snapshot. The learner may rewrite the
+slot meanwhile (two publishes during one send): the seqlock counter, read
+again after the last bucket, gives the verdict the receiver waits for.
+
+Where there is no slot to send (no segment yet, a retired one, a version the
+slot no longer holds) the ZeroMQ snapshot is sent (:class:`SnapshotVersion`),
+packed bucket by bucket as before; its verdict is always intact (the snapshot
+is checked out for the whole send).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from asyncrl.weights.collective_buckets import Bucket, plan_buckets, plan_slot_buckets
+from asyncrl.weights.shm import PLAN_BROKEN
+from asyncrl.weights.shm_reader import FOLLOW_POLL_S, ShmSource, Slot
+from asyncrl.weights.snapshot import Snapshot, SnapshotStore
+from asyncrl.weights.source import PathUnavailable, WeightTransferError
+
+Stage = Callable[[int], torch.Tensor]
+"""A staging buffer of at least that many bytes on the member's device."""
+
+
+class Outgoing(Protocol):
+    """One version on its way to one member."""
+
+    version: int
+    published_at: float
+    buckets: tuple[Bucket, ...]
+
+    def bucket(self, number: int, deadline: float, stage: Stage) -> torch.Tensor:
+        """Bucket ``number``'s bytes (uint8, flat) once they may be sent."""
+        ...
+
+    def intact(self, deadline: float) -> bool:
+        """After the last bucket: every byte sent was this version's."""
+        ...
+
+    def release(self) -> None: ...
+
+
+class SlotVersion:
+    """A version in the shared-memory slot: complete, or being written as announced."""
+
+    def __init__(self, slots: ShmSource, slot: Slot, following: bool, bucket_bytes: int):
+        self.slots = slots
+        self.slot = slot
+        self.following = following
+        self.version = slot.version
+        self.published_at = slot.published_at or time.time()  # a write in progress: now
+        self._plan = plan_slot_buckets(slots.index(slot), bucket_bytes)
+        self.buckets = tuple(bucket for bucket, _, _ in self._plan)
+
+    def bucket(self, number: int, deadline: float, stage: Stage) -> torch.Tensor:
+        bucket, written, start = self._plan[number]
+        while self.following and not self._written(written):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the learner's write of v{self.version} did not reach bucket {number} in time"
+                )
+            time.sleep(FOLLOW_POLL_S)
+        return self.slots.data(self.slot, start, bucket.nbytes)
+
+    def _written(self, count: int) -> bool:
+        """The write has passed ``count`` tensors, or will not as announced (then the
+        bytes go as they are, and the verdict says so)."""
+        progress = self.slots.progress(self.slot)
+        return progress >= count or not self.slots.on_plan(self.slot, progress)
+
+    def intact(self, deadline: float) -> bool:
+        slots, slot = self.slots, self.slot
+        if not self.following:
+            return slots.seq(slot) == slot.seq
+        while slots.seq(slot) == slot.seq:  # sent all: wait for the write's last bytes
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the learner's write of v{self.version} did not complete")
+            time.sleep(FOLLOW_POLL_S)
+        # the write completed as announced, and nothing has overwritten it since
+        return slots.seq(slot) == slot.seq + 1 and slots.progress(slot) != PLAN_BROKEN
+
+    def release(self) -> None:
+        pass
+
+
+class SnapshotVersion:
+    """A version in the ZeroMQ server's host snapshot, checked out for the send."""
+
+    def __init__(self, store: SnapshotStore, snapshot: Snapshot, bucket_bytes: int):
+        self.store = store
+        self.snapshot = snapshot
+        self.version = snapshot.version
+        self.published_at = snapshot.published_at
+        self._plan = plan_buckets(snapshot.tensors, bucket_bytes)
+        self.buckets = tuple(bucket for bucket, _ in self._plan)
+
+    def bucket(self, number: int, deadline: float, stage: Stage) -> torch.Tensor:
+        """One tensor: the snapshot's buffer itself; several: packed into staging."""
+        bucket, indices = self._plan[number]
+        buffers = self.snapshot.buffers
+        if len(indices) == 1:
+            return buffers[indices[0]].reshape(-1).view(torch.uint8)
+        flat = stage(bucket.nbytes)[: bucket.nbytes]
+        for tensor, index in zip(bucket.tensors, indices, strict=True):
+            source = buffers[index].reshape(-1).view(torch.uint8)
+            flat[tensor.offset : tensor.offset + source.numel()].copy_(source, non_blocking=True)
+        return flat
+
+    def intact(self, deadline: float) -> bool:
+        return True
+
+    def release(self) -> None:
+        self.store.release(self.snapshot, [])
+
+
+def newest_in_slots(slots: ShmSource, have_version: int, bucket_bytes: int) -> Outgoing | None:
+    """The newest version in shared memory newer than ``have_version``, as the replicas'
+    shm path would read it: a complete slot, else a write in progress to follow; None when
+    the segment has nothing newer (or there is no segment)."""
+    try:
+        slots.ensure_mapped()
+        newest = slots.newest()
+        if newest is not None and newest.version > have_version:
+            return SlotVersion(slots, newest, False, bucket_bytes)
+        announced = slots.announced(have_version)
+        if announced is not None:
+            outgoing = SlotVersion(slots, announced, True, bucket_bytes)
+            if slots.on_plan(announced):  # the plan read is this write's
+                return outgoing
+    except (PathUnavailable, WeightTransferError):
+        return None
+    return None
+
+
+def newest_in_snapshots(
+    store: SnapshotStore, have_version: int, bucket_bytes: int
+) -> Outgoing | int:
+    """The newest snapshot newer than ``have_version``, checked out; else the newest
+    version there is (-1: none)."""
+    for _ in range(3):  # a version may be recycled between newest() and checkout()
+        newest = store.newest()
+        if newest is None or newest.version <= have_version or not newest.pieces:
+            return -1 if newest is None else newest.version
+        snapshot, _ = store.checkout(newest.version, 0)
+        if snapshot is not None:
+            return SnapshotVersion(store, snapshot, bucket_bytes)
+    return -1

@@ -1,0 +1,166 @@
+"""The broadcast sends from the learner's shared-memory slot: it follows a write in
+progress, and a version rewritten while it was sent is refused by the verdict."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from collections import Counter
+
+import pytest
+import torch
+from collective_testing import KEY, replica_main, version_tensors
+
+import asyncrl.weights.collective_outgoing as outgoing
+from asyncrl.weights.collective_sender import CollectiveSender
+from asyncrl.weights.shm_publisher import ShmPublisher
+from asyncrl.weights.shm_writer import ShmWriter
+from asyncrl.weights.snapshot import SnapshotStore
+
+WIDTH, LAYERS = 32, 4  # 4 KiB per square weight
+BUCKET_BYTES = 8 << 10
+
+
+class _Zmq:
+    """The ZeroMQ publisher's part the shm sink feeds: its snapshots."""
+
+    def __init__(self):
+        self.snapshots = SnapshotStore(1 << 22, Counter())
+        self.version = 0
+
+    def publish(self, tensors, version: int) -> float:
+        self.snapshots.publish(dict(tensors), version)
+        self.version = version
+        return 0.0
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def learner(tmp_path):
+    zmq = _Zmq()
+    sink = ShmPublisher(zmq, ShmWriter(tmp_path))
+    sender = CollectiveSender(
+        zmq.snapshots,
+        "127.0.0.1",
+        0,
+        KEY,
+        bucket_bytes=BUCKET_BYTES,
+        deadline_s=30.0,
+        run_dir=tmp_path,
+    )
+    yield sink, sender
+    sender.close()
+    sink.close()
+
+
+@pytest.fixture
+def replica(learner):
+    _, sender = learner
+    context = multiprocessing.get_context("spawn")
+    here, there = context.Pipe()
+    process = context.Process(
+        target=replica_main,
+        args=(sender.address, KEY, BUCKET_BYTES, WIDTH, there),
+        kwargs={"layers": LAYERS, "homing": True},
+        daemon=True,
+    )
+    process.start()
+    yield here
+    here.send(("stop",))
+    process.join(30)
+    if process.is_alive():
+        process.kill()
+
+
+def command(pipe, *message):
+    pipe.send(message)
+    assert pipe.poll(60), f"no answer to {message}"
+    return pipe.recv()
+
+
+def assert_holds(pipe, version: int) -> None:
+    status, state, held = command(pipe, "params")
+    assert status == "ok" and held == version
+    for name, tensor in version_tensors(version, WIDTH, LAYERS).items():
+        assert torch.equal(state[name], tensor), name
+
+
+def wait_for(predicate, within_s: float = 30.0) -> bool:
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.timeout(180)
+def test_buckets_go_while_the_learner_is_still_writing_the_version(learner, replica):
+    sink, sender = learner
+    sink.publish(version_tensors(1, WIDTH, LAYERS).items(), 1)  # sizes the segment
+    assert command(replica, "sync", 30.0) == ("ok", 1, 1)
+    assert_holds(replica, 1)
+    assert sender.stats()["weights_collective_transfers_from_slot_total"] == 1
+
+    second = list(version_tensors(2, WIDTH, LAYERS).items())
+    last_allowed = threading.Event()
+
+    def gated():  # the learner gathers its last tensor only once the test allows it
+        yield from second[:-1]
+        assert last_allowed.wait(60)
+        yield second[-1]
+
+    publishing = threading.Thread(target=sink.publish, args=(gated(), 2))
+    publishing.start()
+    try:
+        sent_before = sender.stats()["weights_collective_bytes_sent_total"]
+        replica.send(("sync", 30.0))
+        # bytes of v2 leave while its last tensor is not even written
+        sent = "weights_collective_bytes_sent_total"
+        assert wait_for(lambda: sender.stats()[sent] > sent_before)
+        assert not replica.poll(0.2)  # and the replica waits for the rest
+    finally:
+        last_allowed.set()
+        publishing.join(30)
+    assert replica.poll(60) and replica.recv() == ("ok", 2, 2)
+    assert_holds(replica, 2)
+    stats = sender.stats()
+    assert stats["weights_collective_transfers_followed_total"] == 1
+    assert stats["weights_collective_transfers_finished_total"] == 2
+
+
+@pytest.mark.timeout(180)
+def test_a_version_rewritten_while_sent_is_refused_and_read_again(learner, replica, monkeypatch):
+    sink, sender = learner
+    sink.publish(version_tensors(1, WIDTH, LAYERS).items(), 1)
+    assert command(replica, "sync", 30.0) == ("ok", 1, 1)
+    sink.publish(version_tensors(2, WIDTH, LAYERS).items(), 2)
+
+    # the learner rewrites the slot during the send: the seqlock counter moves
+    real_intact = outgoing.SlotVersion.intact
+
+    def rewritten_meanwhile(self, deadline):
+        sink.publish(version_tensors(3, WIDTH, LAYERS).items(), 3)
+        sink.publish(version_tensors(4, WIDTH, LAYERS).items(), 4)  # v2's slot
+        return real_intact(self, deadline)
+
+    monkeypatch.setattr(outgoing.SlotVersion, "intact", rewritten_meanwhile)
+    reply = command(replica, "sync", 30.0)
+    assert reply[0] == "error" and reply[1] == "WeightTransferError", reply
+    _, _, message, partial, _, _, held = reply
+    assert "v2 was rewritten while it was sent" in message
+    assert partial is True and held == 1  # received into the model: a mix, not claimed
+    stats = sender.stats()
+    assert stats["weights_collective_transfers_overwritten_total"] == 1
+    assert stats["weights_collective_members"] == 1  # the group is sound and stays
+
+    monkeypatch.setattr(outgoing.SlotVersion, "intact", real_intact)
+    assert command(replica, "sync", 30.0) == ("ok", 4, 4)  # the newest, whole
+    assert_holds(replica, 4)
+    assert sender.stats()["weights_collective_joins_accepted_total"] == 1  # no re-join
