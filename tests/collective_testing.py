@@ -69,17 +69,17 @@ def pause_after_buckets(count: int, pipe) -> None:
     transfer arrived, then dawdle, so the test can SIGSTOP it in the middle."""
     import asyncrl.weights.collective_receiver as receiver
 
-    real = receiver.broadcast
+    real = receiver.finish
     received = [0]
 
-    def counting(group, tensor, timeout_s):
-        real(group, tensor, timeout_s)
+    def counting(work, timeout_s):
+        real(work, timeout_s)
         received[0] += 1
         if received[0] == count:
             pipe.send(("in_broadcast", count))
             time.sleep(1.0)  # stopped in here
 
-    receiver.broadcast = counting
+    receiver.finish = counting
 
 
 def replica_main(

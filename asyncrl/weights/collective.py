@@ -168,15 +168,26 @@ def make_group(
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float) -> None:
     """Broadcast ``tensor`` from rank 0, raising when it takes over ``timeout_s`` (gloo
     cancels the send or receive at that limit; the group is then unusable)."""
+    finish(post_broadcast(group, tensor, timeout_s), timeout_s)
+
+
+def post_broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float) -> dist.Work:
+    """Start a broadcast of ``tensor`` from rank 0 (limited to ``timeout_s``); the group
+    runs its broadcasts in the order posted. A receiver posts all of a version's at once,
+    so no bucket waits for the receiver's thread to come back for it."""
     if timeout_s <= 0:
         raise TimeoutError("the deadline passed before the broadcast began")
     options = dist.BroadcastOptions()
     options.rootRank = 0
     options.rootTensor = 0
     options.timeout = datetime.timedelta(seconds=timeout_s)
-    work = group.broadcast([tensor], options)
-    if not work.wait(datetime.timedelta(seconds=timeout_s)):
-        raise TimeoutError(f"broadcast not done within {timeout_s:.1f}s")
+    return group.broadcast([tensor], options)
+
+
+def finish(work: dist.Work, timeout_s: float) -> None:
+    """Wait for a posted broadcast, raising when it is not done within ``timeout_s``."""
+    if timeout_s <= 0 or not work.wait(datetime.timedelta(seconds=timeout_s)):
+        raise TimeoutError(f"broadcast not done within {max(timeout_s, 0):.1f}s")
 
 
 def is_timeout(error: BaseException) -> bool:

@@ -49,13 +49,14 @@ from asyncrl.weights.collective import (
     GroupAddress,
     accept_key,
     ask_key,
-    broadcast,
     connect_store,
+    finish,
     group_key,
     group_prefix,
     is_timeout,
     local_address_towards,
     make_group,
+    post_broadcast,
     reply_key,
 )
 from asyncrl.weights.collective_buckets import (
@@ -272,10 +273,12 @@ class CollectiveSource:
         are the engine's tensors, so any failure leaves a mix (``partial``)."""
         verdict = torch.zeros(1, dtype=torch.int64)
         try:
-            for bucket, flat in zip(offer.buckets, flats, strict=True):
-                if bucket.nbytes:
-                    broadcast(self.group, flat, deadline - time.monotonic())
-            broadcast(self.group, verdict, deadline - time.monotonic())
+            remaining = deadline - time.monotonic()
+            pairs = zip(offer.buckets, flats, strict=True)
+            received = [flat for bucket, flat in pairs if bucket.nbytes] + [verdict]
+            works = [post_broadcast(self.group, flat, remaining) for flat in received]
+            for work in works:
+                finish(work, deadline - time.monotonic())
         except Exception as error:
             self._leave()
             raise WeightTransferError(
