@@ -165,11 +165,13 @@ def module_buffers(
     The body of an in-process engine's ``weight_buffers``."""
     import torch
 
+    from asyncrl.weights.layout import FROM_NAME
+
     tensors = module.state_dict(keep_vars=True)  # the live tensors, by every name
     placed: list[tuple[int, int, torch.Tensor]] = []  # bucket, byte offset, live tensor
     seen: set[int] = set()
     for number, bucket in enumerate(buckets):
-        dtype = getattr(torch, bucket.dtype, None)
+        dtype = FROM_NAME.get(bucket.dtype)
         for tensor in bucket.tensors:
             live = tensors.get(tensor.name)
             if live is None or live.dtype != dtype or tuple(live.shape) != tuple(tensor.shape):

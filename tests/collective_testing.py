@@ -9,6 +9,8 @@ the module's parameters back.
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import time
 import traceback
 
@@ -62,6 +64,45 @@ class HomingBackend(ModuleBackend):
 
     def weights_written(self, version: int) -> None:
         self.version = version
+
+
+@contextlib.contextmanager
+def running_replica(address, bucket_bytes: int, width: int, **options):
+    """:func:`replica_main` in a spawned process (``options``: its keyword arguments);
+    yields the pipe that commands it, and stops it on the way out."""
+    context = multiprocessing.get_context("spawn")
+    here, there = context.Pipe()
+    process = context.Process(
+        target=replica_main,
+        args=(address, KEY, bucket_bytes, width, there),
+        kwargs=options,
+        daemon=True,
+    )
+    process.start()
+    try:
+        yield here
+    finally:
+        here.send(("stop",))
+        process.join(30)
+        if process.is_alive():  # ours, by its handle
+            process.kill()
+
+
+def command(pipe, *message, within_s: float = 120.0):
+    """Send ``message`` to a replica and return its answer."""
+    pipe.send(message)
+    assert pipe.poll(within_s), f"no answer to {message}"
+    return pipe.recv()
+
+
+def wait_for(predicate, within_s: float, every_s: float = 0.05) -> bool:
+    """Whether ``predicate()`` came true within ``within_s``."""
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(every_s)
+    return False
 
 
 def pause_after_buckets(count: int, pipe) -> None:

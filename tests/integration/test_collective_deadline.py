@@ -17,7 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
-from collective_testing import KEY, replica_main, version_tensors
+from collective_testing import KEY, command, replica_main, version_tensors, wait_for
 
 from asyncrl.transport import free_port, tcp
 from asyncrl.weights import WeightPublisher
@@ -29,21 +29,6 @@ WIDTH, LAYERS = 512, 40  # 40 square layers of 1 MiB: about 41 MiB a version
 BUCKET_BYTES = 1 << 20  # one layer's weight per bucket: about 80 broadcasts a version
 DEADLINE_S = 3.0
 PAUSE_AFTER = 4  # buckets received before the replica is stopped
-
-
-def command(pipe, *message, within_s: float = 120.0):
-    pipe.send(message)
-    assert pipe.poll(within_s), f"no answer to {message}"
-    return pipe.recv()
-
-
-def wait_for(predicate, within_s: float) -> bool:
-    end = time.monotonic() + within_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def assert_holds(pipe, version: int) -> None:

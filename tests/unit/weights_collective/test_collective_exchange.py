@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 from collections import Counter
 
 import pytest
 import torch
-from collective_testing import KEY, replica_main, version_tensors
+from collective_testing import KEY, running_replica, version_tensors
 
 from asyncrl.weights.collective import JOIN_QUEUE, connect_store
 from asyncrl.weights.collective_buckets import JoinRequest, seal
@@ -38,17 +37,8 @@ def sender():
 
 @pytest.fixture
 def replica(sender):
-    context = multiprocessing.get_context("spawn")
-    here, there = context.Pipe()
-    process = context.Process(
-        target=replica_main, args=(sender.address, KEY, BUCKET_BYTES, 16, there), daemon=True
-    )
-    process.start()
-    yield here
-    here.send(("stop",))
-    process.join(30)
-    if process.is_alive():
-        process.kill()
+    with running_replica(sender.address, BUCKET_BYTES, 16) as pipe:
+        yield pipe
 
 
 @pytest.mark.timeout(180)

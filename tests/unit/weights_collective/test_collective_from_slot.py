@@ -3,14 +3,12 @@ progress, and a version rewritten while it was sent is refused by the verdict.""
 
 from __future__ import annotations
 
-import multiprocessing
 import threading
-import time
 from collections import Counter
 
 import pytest
 import torch
-from collective_testing import KEY, replica_main, version_tensors
+from collective_testing import KEY, command, running_replica, version_tensors, wait_for
 
 import asyncrl.weights.collective_outgoing as outgoing
 from asyncrl.weights.collective_sender import CollectiveSender
@@ -62,26 +60,8 @@ def learner(tmp_path):
 @pytest.fixture
 def replica(learner):
     _, sender = learner
-    context = multiprocessing.get_context("spawn")
-    here, there = context.Pipe()
-    process = context.Process(
-        target=replica_main,
-        args=(sender.address, KEY, BUCKET_BYTES, WIDTH, there),
-        kwargs={"layers": LAYERS, "homing": True},
-        daemon=True,
-    )
-    process.start()
-    yield here
-    here.send(("stop",))
-    process.join(30)
-    if process.is_alive():
-        process.kill()
-
-
-def command(pipe, *message):
-    pipe.send(message)
-    assert pipe.poll(60), f"no answer to {message}"
-    return pipe.recv()
+    with running_replica(sender.address, BUCKET_BYTES, WIDTH, layers=LAYERS, homing=True) as pipe:
+        yield pipe
 
 
 def assert_holds(pipe, version: int) -> None:
@@ -89,15 +69,6 @@ def assert_holds(pipe, version: int) -> None:
     assert status == "ok" and held == version
     for name, tensor in version_tensors(version, WIDTH, LAYERS).items():
         assert torch.equal(state[name], tensor), name
-
-
-def wait_for(predicate, within_s: float = 30.0) -> bool:
-    end = time.monotonic() + within_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 @pytest.mark.timeout(180)
@@ -123,7 +94,7 @@ def test_buckets_go_while_the_learner_is_still_writing_the_version(learner, repl
         replica.send(("sync", 30.0))
         # bytes of v2 leave while its last tensor is not even written
         sent = "weights_collective_bytes_sent_total"
-        assert wait_for(lambda: sender.stats()[sent] > sent_before)
+        assert wait_for(lambda: sender.stats()[sent] > sent_before, 30.0, 0.01)
         assert not replica.poll(0.2)  # and the replica waits for the rest
     finally:
         last_allowed.set()
