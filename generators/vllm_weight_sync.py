@@ -44,7 +44,13 @@ from asyncrl.weights.collective import (
     local_address_towards,
     make_group,
 )
-from asyncrl.weights.collective_buckets import VERDICT_INTACT, Offer, seal, unseal
+from asyncrl.weights.collective_buckets import (
+    VERDICT_INTACT,
+    Offer,
+    piece_ranges,
+    seal,
+    unseal,
+)
 from asyncrl.weights.collective_receiver import tensor_views
 from asyncrl.weights.source import WeightTransferError
 
@@ -93,8 +99,8 @@ class CollectiveWeightExtension(WeightLoaderExtension):
                     raise RuntimeError("this worker is in no weight-update group")
                 for bucket in offer.buckets:
                     flat = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-                    if bucket.nbytes:
-                        broadcast(group, flat, deadline - time.monotonic())
+                    for start, end in piece_ranges(bucket):
+                        broadcast(group, flat[start:end], deadline - time.monotonic())
                     report["buckets"] += 1
                     for name, view in tensor_views(bucket, flat).items():
                         yield name, view

@@ -8,7 +8,9 @@ from the shared-memory slot (:func:`plan_slot_buckets`), a bucket is a byte
 range of the slot, so its tensors keep the slot's 64-byte alignment; packed
 from a snapshot (:func:`plan_buckets`), they lie end to end. Before the first
 bucket the learner sends an :class:`Offer`: the version and, per bucket, its
-dtype, size and the names, shapes and byte offsets of its tensors. The
+dtype, size, the names, shapes and byte offsets of its tensors, and the pieces
+it goes in when it is more than one broadcast (the first bytes of a version
+go in small pieces, so they leave while the learner writes the rest). The
 receiver checks the offer (:func:`check_offer`) before it receives a byte:
 sizes that add up, known dtypes, the names and shapes its engine expects,
 nothing missing, nothing extra, so that what it receives can only land where
@@ -40,6 +42,10 @@ MAC_BYTES = 32
 MAX_MESSAGE_BYTES = 64 << 20
 """The largest signed message a side opens (a 1000-layer model's offer is about 1 MB)."""
 MAX_BUCKETS = 1 << 16
+MAX_PIECES = 1 << 16
+"""The most broadcasts one bucket may take (a 64 GiB tensor in 1 MiB pieces)."""
+FIRST_PIECE = 4 << 20
+"""The first broadcast of a version from the slot (:func:`in_pieces`)."""
 MAX_DIMS = 8
 ALIGN = 64
 """A tensor in a bucket starts right after the one before, or at the next multiple of this."""
@@ -57,11 +63,13 @@ class BucketTensor(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_
 
 
 class Bucket(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
-    """One broadcast: ``nbytes`` bytes holding ``tensors`` of one ``dtype``, end to end."""
+    """``nbytes`` bytes holding ``tensors`` of one ``dtype``, end to end: one broadcast, or
+    one per piece when ``pieces`` lists where each ends (:func:`in_pieces`)."""
 
     dtype: str
     nbytes: int
     tensors: tuple[BucketTensor, ...]
+    pieces: tuple[int, ...] = ()
 
 
 class Offer(msgspec.Struct, tag="offer", frozen=True, forbid_unknown_fields=True):
@@ -179,11 +187,11 @@ def plan_buckets(
 
 
 def plan_slot_buckets(
-    tensors: Sequence[TensorEntry], bucket_bytes: int
-) -> list[tuple[Bucket, int, int]]:
+    tensors: Sequence[TensorEntry], bucket_bytes: int, first_piece: int = FIRST_PIECE
+) -> list[tuple[Bucket, int]]:
     """Buckets as byte ranges of a shared-memory slot whose ``tensors`` (its index, offsets
-    into the slot's data) are written in order: each bucket with the count of tensors that
-    must be written before it can go, and the offset of its first byte.
+    into the slot's data) are written in order, each with the offset of its first byte
+    in the slot's data, and in pieces from ``first_piece`` up (:func:`in_pieces`).
 
     A bucket is a run of consecutive tensors of one dtype, at most ``bucket_bytes`` from
     its first byte to its last (a tensor larger than that is a bucket of its own); the
@@ -191,25 +199,54 @@ def plan_slot_buckets(
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    planned: list[tuple[Bucket, int, int]] = []
+    buckets: list[Bucket] = []
+    starts: list[int] = []
     members: list[BucketTensor] = []
     start = end = 0
     dtype = ""
-
-    def close(written: int) -> None:
-        planned.append((Bucket(dtype, end - start, tuple(members)), written, start))
-
-    for index, entry in enumerate(tensors):
+    for entry in tensors:
         if members and (entry.dtype != dtype or entry.offset + entry.nbytes - start > bucket_bytes):
-            close(index)
+            buckets.append(Bucket(dtype, end - start, tuple(members)))
             members = []
         if not members:
             start, dtype = entry.offset, entry.dtype
+            starts.append(start)
         members.append(BucketTensor(entry.name, tuple(entry.shape), entry.offset - start))
         end = entry.offset + entry.nbytes
     if members:
-        close(len(tensors))
-    return planned
+        buckets.append(Bucket(dtype, end - start, tuple(members)))
+    return list(zip(in_pieces(buckets, bucket_bytes, first_piece), starts, strict=True))
+
+
+def in_pieces(buckets: Sequence[Bucket], bucket_bytes: int, first_piece: int) -> list[Bucket]:
+    """``buckets`` sent in pieces that start at ``first_piece`` bytes and double with each
+    broadcast up to ``bucket_bytes``, no broadcast larger: the first bytes of a version
+    go while the learner writes the rest of its first tensor (an embedding: a fifth of a
+    small model), and a large tensor leaves as its bytes are written, not once it all is."""
+    size = max(1, min(first_piece, bucket_bytes))
+    pieced = []
+    for bucket in buckets:
+        ends: list[int] = []
+        at = 0
+        while bucket.nbytes - at > size:
+            at += size
+            ends.append(at)
+            size = min(size * 2, bucket_bytes)
+        if ends:
+            ends.append(bucket.nbytes)
+        if bucket.nbytes:
+            size = min(size * 2, bucket_bytes)  # after the bucket's last broadcast
+        pieced.append(msgspec.structs.replace(bucket, pieces=tuple(ends)))
+    return pieced
+
+
+def piece_ranges(bucket: Bucket) -> list[tuple[int, int]]:
+    """The byte ranges of ``bucket`` that go as one broadcast each, in order (none when
+    it is empty)."""
+    if not bucket.nbytes:
+        return []
+    ends = bucket.pieces or (bucket.nbytes,)
+    return list(zip((0, *ends[:-1]), ends, strict=True))
 
 
 def check_offer(
@@ -261,6 +298,13 @@ def check_offer(
                 refuse(f"tensor '{tensor.name}' is {bucket.dtype}, expected {spec.dtype}")
         if position != bucket.nbytes:
             refuse(f"bucket {number} says {bucket.nbytes} bytes, its tensors take {position}")
+        ends = bucket.pieces
+        if ends and (
+            len(ends) > MAX_PIECES
+            or ends[-1] != bucket.nbytes
+            or any(end <= before for before, end in zip((0, *ends[:-1]), ends, strict=True))
+        ):
+            refuse(f"bucket {number}'s pieces {ends[:8]} do not tile its {bucket.nbytes} bytes")
     if expected is not None:
         missing = set(expected) - optional - seen
         if missing:

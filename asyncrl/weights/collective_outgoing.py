@@ -4,7 +4,8 @@ The learner's rank 0 writes each version once, into the shared-memory slot
 (``shm_writer.py``). The broadcast sends from there (:class:`SlotVersion`):
 each bucket is a byte range of the slot, sent as it is, with no packing copy,
 and while the learner is still writing a version whose layout it announced,
-each bucket goes the moment the writer's progress has passed its last tensor.
+each piece of a bucket goes the moment the writer's progress (bytes written)
+has passed its last byte.
 So the broadcast runs beside the learner's write instead of after it, and
 after no second copy into the ZeroMQ snapshot. The learner may rewrite the
 slot meanwhile (two publishes during one send): the seqlock counter, read
@@ -24,7 +25,12 @@ from typing import Protocol
 
 import torch
 
-from asyncrl.weights.collective_buckets import Bucket, plan_buckets, plan_slot_buckets
+from asyncrl.weights.collective_buckets import (
+    FIRST_PIECE,
+    Bucket,
+    plan_buckets,
+    plan_slot_buckets,
+)
 from asyncrl.weights.shm import PLAN_BROKEN
 from asyncrl.weights.shm_reader import FOLLOW_POLL_S, ShmSource, Slot
 from asyncrl.weights.snapshot import Snapshot, SnapshotStore
@@ -41,8 +47,11 @@ class Outgoing(Protocol):
     published_at: float
     buckets: tuple[Bucket, ...]
 
-    def bucket(self, number: int, deadline: float, stage: Stage) -> torch.Tensor:
-        """Bucket ``number``'s bytes (uint8, flat) once they may be sent."""
+    def piece(
+        self, number: int, start: int, end: int, deadline: float, stage: Stage
+    ) -> torch.Tensor:
+        """Bytes ``[start, end)`` of bucket ``number`` (uint8, flat) once they may be sent;
+        asked for in order."""
         ...
 
     def intact(self, deadline: float) -> bool:
@@ -61,24 +70,26 @@ class SlotVersion:
         self.following = following
         self.version = slot.version
         self.published_at = slot.published_at or time.time()  # a write in progress: now
-        self._plan = plan_slot_buckets(slots.index(slot), bucket_bytes)
-        self.buckets = tuple(bucket for bucket, _, _ in self._plan)
+        self._plan = plan_slot_buckets(slots.index(slot), bucket_bytes, FIRST_PIECE)
+        self.buckets = tuple(bucket for bucket, _ in self._plan)
 
-    def bucket(self, number: int, deadline: float, stage: Stage) -> torch.Tensor:
-        bucket, written, start = self._plan[number]
-        while self.following and not self._written(written):
+    def piece(
+        self, number: int, start: int, end: int, deadline: float, stage: Stage
+    ) -> torch.Tensor:
+        at = self._plan[number][1]
+        while self.following and not self._written(at + end):
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"the learner's write of v{self.version} did not reach bucket {number} in time"
                 )
             time.sleep(FOLLOW_POLL_S)
-        return self.slots.data(self.slot, start, bucket.nbytes)
+        return self.slots.data(self.slot, at + start, end - start)
 
-    def _written(self, count: int) -> bool:
-        """The write has passed ``count`` tensors, or will not as announced (then the
-        bytes go as they are, and the verdict says so)."""
+    def _written(self, nbytes: int) -> bool:
+        """The write has passed byte ``nbytes`` of the data, or will not as announced (then
+        the bytes go as they are, and the verdict says so)."""
         progress = self.slots.progress(self.slot)
-        return progress >= count or not self.slots.on_plan(self.slot, progress)
+        return progress >= nbytes or not self.slots.on_plan(self.slot, progress)
 
     def intact(self, deadline: float) -> bool:
         slots, slot = self.slots, self.slot
@@ -105,18 +116,26 @@ class SnapshotVersion:
         self.published_at = snapshot.published_at
         self._plan = plan_buckets(snapshot.tensors, bucket_bytes)
         self.buckets = tuple(bucket for bucket, _ in self._plan)
+        self._packed: tuple[int, torch.Tensor] | None = None
 
-    def bucket(self, number: int, deadline: float, stage: Stage) -> torch.Tensor:
-        """One tensor: the snapshot's buffer itself; several: packed into staging."""
+    def piece(
+        self, number: int, start: int, end: int, deadline: float, stage: Stage
+    ) -> torch.Tensor:
+        """One tensor: the snapshot's buffer itself; several: packed into staging (once,
+        at the bucket's first piece)."""
         bucket, indices = self._plan[number]
         buffers = self.snapshot.buffers
         if len(indices) == 1:
-            return buffers[indices[0]].reshape(-1).view(torch.uint8)
-        flat = stage(bucket.nbytes)[: bucket.nbytes]
-        for tensor, index in zip(bucket.tensors, indices, strict=True):
-            source = buffers[index].reshape(-1).view(torch.uint8)
-            flat[tensor.offset : tensor.offset + source.numel()].copy_(source, non_blocking=True)
-        return flat
+            return buffers[indices[0]].reshape(-1).view(torch.uint8)[start:end]
+        if self._packed is None or self._packed[0] != number:
+            flat = stage(bucket.nbytes)[: bucket.nbytes]
+            for tensor, index in zip(bucket.tensors, indices, strict=True):
+                source = buffers[index].reshape(-1).view(torch.uint8)
+                flat[tensor.offset : tensor.offset + source.numel()].copy_(
+                    source, non_blocking=True
+                )
+            self._packed = (number, flat)
+        return self._packed[1][start:end]
 
     def intact(self, deadline: float) -> bool:
         return True

@@ -69,6 +69,7 @@ from asyncrl.weights.collective_buckets import (
     Spec,
     UpToDate,
     check_offer,
+    piece_ranges,
     seal,
     unseal,
 )
@@ -275,7 +276,8 @@ class CollectiveSource:
         try:
             remaining = deadline - time.monotonic()
             pairs = zip(offer.buckets, flats, strict=True)
-            received = [flat for bucket, flat in pairs if bucket.nbytes] + [verdict]
+            received = [flat[a:b] for bucket, flat in pairs for a, b in piece_ranges(bucket)]
+            received.append(verdict)
             works = [post_broadcast(self.group, flat, remaining) for flat in received]
             for work in works:
                 finish(work, deadline - time.monotonic())

@@ -54,6 +54,7 @@ from asyncrl.weights.collective_buckets import (
     JoinRequest,
     Offer,
     UpToDate,
+    piece_ranges,
     seal,
     unseal,
 )
@@ -293,10 +294,10 @@ class _Member(threading.Thread):
             client.set(reply_key(self.ticket, ask), seal(offer, sender.key, context))
             deadline = started + sender.deadline_s
             for number, bucket in enumerate(outgoing.buckets):
-                if bucket.nbytes:
-                    tensor = self._on_device(outgoing.bucket(number, deadline, self._stage))
-                    broadcast(self.group, tensor, deadline - time.monotonic())
-                    sender.count("bytes_sent", bucket.nbytes)
+                for start, end in piece_ranges(bucket):
+                    piece = outgoing.piece(number, start, end, deadline, self._stage)
+                    broadcast(self.group, self._on_device(piece), deadline - time.monotonic())
+                    sender.count("bytes_sent", end - start)
             intact = outgoing.intact(deadline)
             verdict = torch.tensor([VERDICT_INTACT if intact else 0], device=self.device)
             broadcast(self.group, verdict, deadline - time.monotonic())

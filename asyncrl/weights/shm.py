@@ -17,9 +17,11 @@ counter means a write overlapped the read, and the load is discarded.
 A write whose tensors come in the layout of the one before (every write after
 the first, unless the model changed) is announced before its first byte: the
 writer puts that layout in the slot's index and then sets ``plan_seq`` to the
-write's (odd) ``seq``; after each tensor it sets ``progress`` to the number
-written. A reader may then *follow* the write, loading each tensor the moment
-it is complete, while the learner writes the next; its load still counts only
+write's (odd) ``seq``; as it writes it sets ``progress`` to the bytes of data
+written so far (after each tensor, and every :data:`WRITE_PIECE` bytes within
+a large one). A reader may then *follow* the write, loading each tensor (or
+sending each byte range) the moment it is written, while the learner writes
+the rest; its load still counts only
 if ``seq`` is the write's plus one once it is done. A write that leaves the
 announced layout sets ``progress`` to ``PLAN_BROKEN``: followers give up and
 read the slot once it is complete. (Both ends rely on x86-64's ordering of
@@ -56,7 +58,8 @@ POINTER_FILE = "weights_shm"
 """The file in the run dir naming the run's segment."""
 NAME = re.compile(r"asyncrl-[0-9a-f]{32}")
 MAGIC = b"ASRLWSHM"
-FORMAT = 2
+FORMAT = 3
+"""3: ``progress`` counts bytes written (2 counted tensors)."""
 SLOTS = 2
 PAGE = 4096
 ALIGN = 64
@@ -73,6 +76,9 @@ PLAN_SEQ_OFFSET = 48
 PROGRESS_OFFSET = 56
 PLAN_BROKEN = 2**64 - 1
 """``progress`` of a write that left the layout it announced."""
+WRITE_PIECE = 8 << 20
+"""The writer marks its progress at least this often within a large tensor, so a reader
+need not wait for a whole embedding before it may send the first bytes of it."""
 FOLLOW_WRITES = platform.machine().lower() in ("x86_64", "amd64")
 """Whether readers follow a write in progress: sound where stores and loads keep their
 order (x86-64's TSO); on weaker orderings a reader waits for the complete slot."""

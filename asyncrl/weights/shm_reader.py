@@ -14,8 +14,8 @@ the new one.
 When no complete slot is newer than the engine's version but the learner is
 writing one whose layout it announced, and the engine loads in parts
 (``load_weights_in_parts``, the HF backend), the source *follows* the write:
-it hands the engine each tensor as soon as the writer's progress counter
-passes it, so the replica's copy runs beside the learner's instead of after
+it hands the engine each tensor as soon as the writer's progress (bytes
+written) passes its end, so the replica's copy runs beside the learner's instead of after
 it. The load counts once the slot's counter says that very write completed;
 a write that left its plan or was overlapped leaves a mix in the engine, and
 the newest complete slot is then loaded whole.
@@ -23,6 +23,7 @@ the newest complete slot is then loaded whole.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import mmap
@@ -219,17 +220,20 @@ class ShmSource:
             return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=at)
 
     def progress(self, slot: Slot) -> int:
-        """How many tensors the write of ``slot`` has finished (or PLAN_BROKEN)."""
+        """How many bytes of its data the write of ``slot`` has written (or PLAN_BROKEN)."""
         assert self._map is not None
         return read_u64(self._map, slot.start + PROGRESS_OFFSET)
 
-    def _views(self, slot: Slot) -> dict[str, torch.Tensor]:
-        """The slot's tensors as read-only views of the mapping, after checking its index."""
+    def _views(
+        self, slot: Slot, entries: list[TensorEntry] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The slot's tensors (its checked index, unless given) as read-only views of the
+        mapping."""
         return {
             entry.name: self.data(slot, entry.offset, entry.nbytes)
             .view(FROM_NAME[entry.dtype])
             .reshape(entry.shape)
-            for entry in self.index(slot)
+            for entry in (self.index(slot) if entries is None else entries)
         }
 
     def sync_into(self, backend: Backend, have_version: int, deadline: float) -> Loaded | None:
@@ -305,12 +309,14 @@ class ShmSource:
         write completed as announced; ``(None, partial)`` when it left its plan."""
         assert self._map is not None
         try:
-            views = self._views(slot)
+            entries = self.index(slot)
         except WeightTransferError:
             if self.on_plan(slot):
                 raise
             return None, False  # rewritten while we read the plan: nothing loaded
+        views = self._views(slot, entries)
         names = list(views)
+        ends = [entry.offset + entry.nbytes for entry in entries]
         loading = False
 
         def parts():
@@ -320,10 +326,11 @@ class ShmSource:
                 progress = self.progress(slot)
                 if not self.on_plan(slot, progress):
                     raise _LeftPlan
-                if progress > done:
+                written = bisect.bisect_right(ends, progress, lo=done)  # whole tensors
+                if written > done:
                     loading = True
-                    yield {name: views[name] for name in names[done:progress]}
-                    done = progress
+                    yield {name: views[name] for name in names[done:written]}
+                    done = written
                 else:
                     self._wait(deadline, slot, "while following the write")
 

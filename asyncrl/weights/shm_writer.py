@@ -5,7 +5,8 @@ publish, sized for that version, and records its name in ``RUN_DIR/weights_shm``
 Each later publish streams the tensors, one at a time as the learner gathers
 them, straight into the older slot: one memory copy, the learner's whole stall
 on this path. It first announces the layout of the version before (``shm.py``:
-the plan) and marks its progress after each tensor, so replicas may load the
+the plan) and marks its progress in bytes after each tensor and every
+``WRITE_PIECE`` bytes within a large one, so replicas may load the
 tensors already written while the rest are (``shm_reader.py``). A version
 that no longer fits (a model that grew) retires the segment: readers fall back
 to ZeroMQ, which still gets the version.
@@ -47,6 +48,7 @@ from asyncrl.weights.shm import (
     SLOT_HEADER,
     SLOT_HEADER_BYTES,
     SLOTS,
+    WRITE_PIECE,
     aligned_layout,
     data_nbytes,
     read_pointer,
@@ -168,7 +170,7 @@ class ShmWriter:
             self._data_at,
             end,
             seq if kept_plan else 0,
-            len(entries) if kept_plan else PLAN_BROKEN,
+            end if kept_plan else PLAN_BROKEN,  # progress: every byte written
         )
         self._seq[slot] += 1  # even: complete
         write_u64(self._map, start, self._seq[slot])
@@ -237,12 +239,29 @@ class ShmWriter:
                 self._map, dtype=torch.uint8, count=nbytes, offset=start + self._data_at + offset
             ) if nbytes else torch.empty(0, dtype=torch.uint8)  # fmt: skip
             view = view.view(FROM_NAME[dtype]).reshape(tensor.shape)
-            view.copy_(tensor.detach())
+            if plan and nbytes > WRITE_PIECE:
+                self._copy_in_pieces(view, tensor.detach(), start, offset)
+            else:
+                view.copy_(tensor.detach())
             written.append((name, view))
             entries.append(entry)
             if plan:  # after the bytes: a follower may load this tensor now
-                write_u64(self._map, start + PROGRESS_OFFSET, len(entries))
+                write_u64(self._map, start + PROGRESS_OFFSET, offset + nbytes)
             offset = round_up(offset + nbytes, ALIGN)
+
+    def _copy_in_pieces(
+        self, view: torch.Tensor, tensor: torch.Tensor, start: int, offset: int
+    ) -> None:
+        """Copy a large tensor :data:`WRITE_PIECE` bytes at a time, marking the progress after
+        each piece: a follower may send its first bytes while the rest are written."""
+        assert self._map is not None
+        target, source = view.reshape(-1), tensor.reshape(-1)
+        itemsize = view.element_size()
+        step = max(WRITE_PIECE // itemsize, 1)
+        for first in range(0, target.numel(), step):
+            last = min(first + step, target.numel())
+            target[first:last].copy_(source[first:last])
+            write_u64(self._map, start + PROGRESS_OFFSET, offset + last * itemsize)
 
     def retire(self, why: str) -> None:
         """Tell readers to stop reading here (they fall back to ZeroMQ)."""

@@ -323,7 +323,7 @@ def offer_buckets(state_dict: dict[str, torch.Tensor], skip: set[str]):
     entries: list[TensorEntry] = aligned_layout(
         [(name, "float32", tuple(state_dict[name].shape)) for name in names]
     )
-    return [bucket for bucket, _, _ in plan_slot_buckets(entries, 4096)]
+    return [bucket for bucket, _ in plan_slot_buckets(entries, 4096)]
 
 
 def test_weight_buffers_are_the_models_tensors_so_bytes_written_there_are_loaded():

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import asyncrl.weights.shm_writer as shm_writer
 from asyncrl.generators.backend import check_state_dict
-from asyncrl.weights.shm import PAGE, POINTER_FILE
+from asyncrl.weights.shm import PAGE, POINTER_FILE, PROGRESS_OFFSET
 from asyncrl.weights.shm_reader import ShmSource
 from asyncrl.weights.shm_writer import ShmWriter
 from asyncrl.weights.source import PathUnavailable, WeightTransferError
@@ -244,6 +245,35 @@ def test_a_reader_follows_a_write_loading_each_tensor_before_the_next_is_written
     assert (loaded.version, loaded.path) == (3, "shm") and backend.version == 3
     assert backend.parts == [["w"], ["b"], ["h"]]  # each loaded before the next was written
     assert source.counters["followed"] == 1 and source.counters["overlaps"] == 0
+    expect_version(backend.weights, 3)
+    source.close()
+    writer.close()
+
+
+def test_progress_counts_bytes_written_also_within_a_large_tensor(dirs, monkeypatch):
+    run_dir, shm_dir = dirs
+    writer = started_writer(run_dir, shm_dir, versions=(1,))  # v2 follows v1's layout
+    monkeypatch.setattr(shm_writer, "WRITE_PIECE", 8)
+    marked: list[int] = []
+    real_write_u64 = shm_writer.write_u64
+
+    def noting(buffer, offset, value):
+        if offset % PAGE == PROGRESS_OFFSET:
+            marked.append(value)
+        real_write_u64(buffer, offset, value)
+
+    monkeypatch.setattr(shm_writer, "write_u64", noting)
+    writer.publish(tensors(2), 2)
+    # w: 24 bytes at 0, in pieces of 8; b: 16 bytes at 64, in pieces of 8; h: 2 bytes at 128
+    assert marked == [8, 16, 24, 24, 72, 80, 80, 130]
+    source = ShmSource(run_dir, shm_dir)
+    source.ensure_mapped()
+    slot = source.newest()
+    assert slot.version == 2 and source.progress(slot) == slot.data_nbytes == 130  # complete
+    backend = PartsBackend()
+    backend.version = 1
+    writer.publish(tensors(3), 3)  # complete: nothing to follow, loaded whole
+    assert source.sync_into(backend, 2, far()).version == 3
     expect_version(backend.weights, 3)
     source.close()
     writer.close()

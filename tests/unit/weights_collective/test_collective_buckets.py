@@ -14,6 +14,8 @@ from asyncrl.weights.collective_buckets import (
     Spec,
     UpToDate,
     check_offer,
+    in_pieces,
+    piece_ranges,
     plan_buckets,
     plan_slot_buckets,
     seal,
@@ -176,18 +178,44 @@ def slot_entries() -> list[TensorEntry]:
 
 
 def test_slot_buckets_are_byte_ranges_of_runs_of_one_dtype_with_the_gaps_inside():
-    planned = plan_slot_buckets(slot_entries(), 100)
-    # a and b (64 + 20 bytes), then c alone (its dtype), d alone (160 > 100), e
-    assert [(b.dtype, b.nbytes, written, start) for b, written, start in planned] == [
-        ("float32", 84, 2, 0),
-        ("bfloat16", 8, 3, 128),
-        ("float32", 160, 4, 192),
-        ("float32", 12, 5, 384),
+    planned = plan_slot_buckets(slot_entries(), 100, first_piece=100)
+    # a and b (64 + 20 bytes), then c alone (its dtype), d alone (160 > 100: two pieces), e
+    assert [(b.dtype, b.nbytes, b.pieces, start) for b, start in planned] == [
+        ("float32", 84, (), 0),
+        ("bfloat16", 8, (), 128),
+        ("float32", 160, (100, 160), 192),
+        ("float32", 12, (), 384),
     ]
     first = planned[0][0]
     assert [(t.name, t.offset) for t in first.tensors] == [("a", 0), ("b", 64)]
-    offer = Offer(3, 0.0, tuple(bucket for bucket, _, _ in planned))
+    offer = Offer(3, 0.0, tuple(bucket for bucket, _ in planned))
     check_offer(offer, 2, None, set(), 100)  # the alignment gap is allowed
+
+
+def test_a_version_starts_in_small_pieces_that_double_up_to_the_bucket_size():
+    sizes = [12, 4, 100, 64, 64, 200]
+    buckets = [Bucket(F32, n, (BucketTensor(f"t{i}", (n // 4,), 0),)) for i, n in enumerate(sizes)]
+    pieced = in_pieces(buckets, bucket_bytes=64, first_piece=4)
+    # piece sizes 4, 8 (bucket 0), 16 (whole: 4), 32, 64 (bucket 2: 32 + 64 + 4),
+    # then whole buckets of 64, and 64-byte pieces of the 200-byte one
+    assert [b.pieces for b in pieced] == [(4, 12), (), (32, 96, 100), (), (), (64, 128, 192, 200)]
+    assert [piece_ranges(b) for b in pieced[:2]] == [[(0, 4), (4, 12)], [(0, 4)]]
+    assert max(b - a for bucket in pieced for a, b in piece_ranges(bucket)) <= 64
+    assert piece_ranges(Bucket(F32, 0, ())) == []  # an empty bucket is no broadcast
+    offer = Offer(3, 0.0, tuple(pieced))
+    expected = {f"t{i}": Spec((n // 4,), F32) for i, n in enumerate(sizes)}
+    check_offer(offer, 2, expected, set(), 64)
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [(4, 8), (4, 4, 10), (6, 4, 10), (0, 10), (4, 12)],
+    ids=["short", "repeated", "backwards", "empty piece", "past the end"],
+)
+def test_pieces_that_do_not_tile_the_bucket_are_refused(pieces):
+    bucket = Bucket(F32, 10 * 4, (BucketTensor("a", (10,), 0),), tuple(p * 4 for p in pieces))
+    with pytest.raises(WeightTransferError, match=r"pieces .* do not tile its 40 bytes"):
+        check_offer(forged([bucket]), 2, None, set(), 1 << 20)
 
 
 def test_a_gap_other_than_the_alignment_is_refused():

@@ -11,7 +11,9 @@ import torch
 from collective_testing import KEY, command, running_replica, version_tensors, wait_for
 
 import asyncrl.weights.collective_outgoing as outgoing
+import asyncrl.weights.shm_writer as shm_writer
 from asyncrl.weights.collective_sender import CollectiveSender
+from asyncrl.weights.shm import PROGRESS_OFFSET
 from asyncrl.weights.shm_publisher import ShmPublisher
 from asyncrl.weights.shm_writer import ShmWriter
 from asyncrl.weights.snapshot import SnapshotStore
@@ -104,6 +106,48 @@ def test_buckets_go_while_the_learner_is_still_writing_the_version(learner, repl
     stats = sender.stats()
     assert stats["weights_collective_transfers_followed_total"] == 1
     assert stats["weights_collective_transfers_finished_total"] == 2
+
+
+@pytest.mark.timeout(180)
+def test_the_first_bytes_go_while_the_learner_is_still_writing_the_first_tensor(
+    learner, replica, monkeypatch
+):
+    sink, sender = learner
+    sink.publish(version_tensors(1, WIDTH, LAYERS).items(), 1)
+    assert command(replica, "sync", 30.0) == ("ok", 1, 1)
+    # the slot holds "scale" (bf16, 12 bytes: a bucket of its own), then "0.weight" (f32,
+    # 1 KiB) from byte 64: the broadcasts are "scale" whole, then 256, 512, ... bytes
+    monkeypatch.setattr(shm_writer, "WRITE_PIECE", 256)
+    monkeypatch.setattr(outgoing, "FIRST_PIECE", 128)
+    real_write_u64 = shm_writer.write_u64
+    first_piece_written, rest_allowed = threading.Event(), threading.Event()
+
+    def held_after_the_first_piece(buffer, offset, value):
+        real_write_u64(buffer, offset, value)
+        if offset % 4096 == PROGRESS_OFFSET and value == 64 + 256:  # a slot's progress
+            first_piece_written.set()
+            assert rest_allowed.wait(60)
+
+    monkeypatch.setattr(shm_writer, "write_u64", held_after_the_first_piece)
+    publishing = threading.Thread(
+        target=sink.publish, args=(version_tensors(2, WIDTH, LAYERS).items(), 2)
+    )
+    sent = "weights_collective_bytes_sent_total"
+    sent_before = sender.stats()[sent]
+    publishing.start()
+    try:
+        assert first_piece_written.wait(30)
+        replica.send(("sync", 30.0))
+        # "scale" and the first 256 bytes of "0.weight" leave; the next piece waits for its
+        assert wait_for(lambda: sender.stats()[sent] - sent_before == 12 + 256, 30.0, 0.01)
+        assert not replica.poll(0.2)
+        assert sender.stats()[sent] - sent_before == 12 + 256
+    finally:
+        rest_allowed.set()
+        publishing.join(30)
+    assert replica.poll(60) and replica.recv() == ("ok", 2, 2)
+    assert_holds(replica, 2)
+    assert sender.stats()["weights_collective_transfers_followed_total"] == 1
 
 
 @pytest.mark.timeout(180)
