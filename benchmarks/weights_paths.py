@@ -193,7 +193,7 @@ def sync_until(source, backend: ModuleBackend, version: int, deadline_s: float) 
         except PathUnavailable:  # no segment before the first publish: ask again
             loaded = None
         if loaded is None:
-            time.sleep(POLL_S)  # the path has nothing newer yet (collective: zmq copy running)
+            time.sleep(POLL_S)  # the path has nothing newer yet
     return started, time.monotonic(), backend.load_s - loading_before, tries, begun
 
 
@@ -256,10 +256,9 @@ class Sink:
         self.run_dir = Path(tempfile.mkdtemp(prefix="asyncrl-bench-"))  # 0700
         self.zmq = WeightPublisher(tcp("127.0.0.1", free_port()), chunk_bytes=chunk_bytes)
         self.sink = self.zmq
-        self.shm: ShmPublisher | None = None
         self.where: object = self.zmq.endpoint
         if path in ("shm", "collective"):
-            self.sink = self.shm = ShmPublisher(self.zmq, ShmWriter(self.run_dir))
+            self.sink = ShmPublisher(self.zmq, ShmWriter(self.run_dir))
             self.where = str(self.run_dir)
         if path == "collective":
             from asyncrl.weights.collective_sender import CollectiveSender, WithBroadcast
@@ -279,12 +278,6 @@ class Sink:
 
     def publish(self, params: dict[str, torch.Tensor], version: int) -> float:
         return self.sink.publish(iter(params.items()), version)
-
-    def settle(self) -> None:
-        """Let the shm sink's side copy for ZeroMQ finish: in a run the learner trains a step
-        between publishes, far longer than that copy, so a publish never waits for it."""
-        if self.shm is not None:
-            self.shm._wait_for_copy()
 
     def stats(self) -> dict[str, float]:
         return self.sink.stats()
@@ -322,7 +315,6 @@ def measure_path(
             runs = []
             for index in range(warmups + repeats):
                 version += 1
-                sink.settle()
                 replicas.send(count, ("sync", version, 600.0))  # waiting, as in a run
                 time.sleep(WAITING_S)
                 began = time.monotonic()

@@ -368,11 +368,11 @@ def markdown(report: dict) -> str:
         "",
         "Learner stall per publish (the seconds `publish()` blocks the learner): zmq copies "
         "into its host snapshot; shm and collective (whose sink is the shm one, the "
-        "broadcast beside it) write the shared-memory slot, then a thread copies it for "
-        "ZeroMQ. Cold: the untimed first publishes (fresh memory; shm's first also sizes "
-        "the segment); warm: the median of the timed ones, with 1 replica (with more, the "
-        "replicas loading beside the publish take the same 2 cores). Against the memcpy of "
-        "the policy "
+        "broadcast beside it) write the shared-memory slot (ZeroMQ copies it from there "
+        "only when a replica asks it). Cold: the untimed first publishes (fresh memory; "
+        "shm's first also sizes the segment); warm: the median of the timed ones, with 1 "
+        "replica (with more, the replicas loading beside the publish take the same 2 "
+        "cores). Against the memcpy of the policy "
         f"and a training step of the same model (one {cfg['tokens']}-token sequence, forward, "
         "backward, fused AdamW; a small step, so the shares are upper bounds).",
         "",

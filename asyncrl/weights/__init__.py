@@ -24,7 +24,7 @@ One job per module::
     shm.py          the shared-memory segment: layout, name, checks
     shm_writer.py   ShmWriter: each version written once into the segment
     shm_reader.py   ShmSource: a replica loads the newest complete slot in place
-    shm_publisher.py ShmPublisher: the learner's sink, shm first, zmq fed from it
+    shm_publisher.py ShmPublisher: the learner's sink, shm first, zmq copied on demand
     paths.py        which paths a run uses: a replica's chain, the learner's sink
     collective.py   the weight-update groups: store, pairwise gloo/NCCL group, timeouts
     collective_buckets.py  buckets, signed offers and asks, and the checks of an offer

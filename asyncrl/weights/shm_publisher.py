@@ -1,12 +1,17 @@
-"""The learner's publish when replicas on its host read shared memory: one copy, then zmq.
+"""The learner's publish when replicas on its host read shared memory: one copy, zmq on demand.
 
 :class:`ShmPublisher` writes each version into the shared-memory segment
 (:class:`~asyncrl.weights.shm_writer.ShmWriter`): one memory copy, the
-learner's whole stall. A thread then copies the slot into the ZeroMQ server's
-host snapshot (:class:`~asyncrl.weights.WeightPublisher`), off the learner's
-critical path, so replicas on other machines, and every fallback, still get
-the version. The next publish first waits for that copy (it reads the slot the
-publish after next rewrites; in practice it finished steps ago).
+learner's whole stall. The ZeroMQ server's host snapshot
+(:class:`~asyncrl.weights.WeightPublisher`), which replicas on other machines
+and every fallback read, is filled from the slot *when someone asks for it*:
+the first manifest request after a publish copies the newest version from its
+slot on the server thread (:meth:`ShmPublisher.serve_over_zmq`). A run whose
+replicas all read shared memory or the broadcast never pays for that copy, and
+the copy never competes with the broadcast for memory bandwidth (it took 8% of
+the collective path's rate here when it ran beside it). Copy and publish hold
+one lock, so the publish after next cannot rewrite the slot being copied; the
+learner waits only for a copy already under way.
 
 The first publish sizes the segment: it goes to the ZeroMQ snapshot first (the
 tensors arrive one at a time, their total unknown until the last) and is copied
@@ -16,9 +21,9 @@ into the new segment from there: two copies, once per run.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -30,51 +35,60 @@ log = logging.getLogger("asyncrl.weights")
 
 
 class ShmPublisher:
-    """A weight sink: shared memory on the critical path, the ZeroMQ snapshot beside it."""
+    """A weight sink: shared memory on the critical path, the ZeroMQ snapshot on demand."""
 
     def __init__(self, zmq: WeightPublisher, writer: ShmWriter):
         self.zmq = zmq
         self.writer = writer
         self.counters: Counter[str] = Counter()
-        self._copier = ThreadPoolExecutor(1, thread_name_prefix="weights-zmq-copy")
-        self._pending: Future | None = None
+        self._lock = threading.Lock()
+        self._version = -1
+        self._unserved: tuple[list[tuple[str, torch.Tensor]], int] | None = None
+        """The newest version's views of its slot, until ZeroMQ has a copy of them."""
+        zmq.before_manifest = self.serve_over_zmq
 
     @property
     def version(self) -> int:
-        return self.zmq.version
+        return self._version
 
     def publish(self, tensors: NamedTensors, version: int) -> float:
-        """Write ``version`` to shared memory and hand it to ZeroMQ; the seconds stalled."""
+        """Write ``version`` to shared memory (ZeroMQ copies it when asked); the seconds
+        stalled."""
         started = time.perf_counter()
-        self._wait_for_copy()
-        if self.writer.ready:
-            written = self.writer.publish(tensors, version)
+        with self._lock:
+            self._unserved = None
             if self.writer.ready:
-                self._pending = self._copier.submit(self._serve_over_zmq, written, version)
-            else:  # outgrown and retired: the tensors are host copies or a dead slot's views
-                self.zmq.publish(written, version)
-        elif self.writer.retired:
-            self.zmq.publish(tensors, version)
-        else:
-            self.zmq.publish(tensors, version)
-            snapshot = self.zmq.snapshots.newest()
-            assert snapshot is not None
-            if self.writer.create(snapshot.tensors):
-                names = [entry.name for entry in snapshot.tensors]
-                self.writer.publish(zip(names, snapshot.buffers, strict=True), version)
+                written = self.writer.publish(tensors, version)
+                if self.writer.ready:
+                    self._unserved = (written, version)
+                else:  # outgrown and retired: the tensors are host copies or a dead slot's
+                    self.zmq.publish(written, version)
+            elif self.writer.retired:
+                self.zmq.publish(tensors, version)
+            else:
+                self.zmq.publish(tensors, version)
+                snapshot = self.zmq.snapshots.newest()
+                assert snapshot is not None
+                if self.writer.create(snapshot.tensors):
+                    names = [entry.name for entry in snapshot.tensors]
+                    self.writer.publish(zip(names, snapshot.buffers, strict=True), version)
+            self._version = version
         return time.perf_counter() - started
 
-    def _serve_over_zmq(self, written: list[tuple[str, torch.Tensor]], version: int) -> None:
-        try:
-            self.zmq.publish(written, version)
-        except Exception:  # the learner must not die of the side path; replicas here use shm
-            self.counters["shm_zmq_copy_failed"] += 1
-            log.exception("could not copy weights v%d from shared memory for ZeroMQ", version)
-
-    def _wait_for_copy(self) -> None:
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
+    def serve_over_zmq(self) -> None:
+        """Copy the newest version from its slot into the ZeroMQ snapshot, if not yet done
+        (the ZeroMQ server calls this before it answers a manifest request)."""
+        with self._lock:
+            if self._unserved is None:
+                return
+            written, version = self._unserved
+            self._unserved = None
+            try:
+                self.zmq.publish(written, version)
+                self.counters["shm_zmq_copies"] += 1
+            except Exception:  # the learner must not die of the side path; shm still serves
+                self.counters["shm_zmq_copy_failed"] += 1
+                log.exception("could not copy weights v%d from shared memory for ZeroMQ", version)
 
     def stats(self) -> dict[str, float]:
         """The ZeroMQ server's ``weights_*`` counters and ``weights_shm_<counter>_total``."""
@@ -82,7 +96,8 @@ class ShmPublisher:
         return self.zmq.stats() | {f"weights_{k}_total": float(v) for k, v in counts.items()}
 
     def close(self) -> None:
-        self._wait_for_copy()
-        self._copier.shutdown(wait=True)
-        self.writer.close()
+        with self._lock:  # no copy reads the segment any more
+            self._unserved = None
+            self.zmq.before_manifest = None
+            self.writer.close()
         self.zmq.close()

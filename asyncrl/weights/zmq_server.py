@@ -49,6 +49,7 @@ import threading
 import time
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import zmq
@@ -110,6 +111,9 @@ class WeightPublisher:
         self.served: Counter[str] = Counter()
         self.snapshots = SnapshotStore(chunk_bytes, self.served)
         self.endpoint = endpoint
+        self.before_manifest: Callable[[], None] | None = None
+        """Called on the server thread before each manifest request is answered: a sink
+        that snapshots lazily (``ShmPublisher``) brings the store up to date there."""
         self._stop = threading.Event()
         self._chunks = ChunkScheduler(self._send_chunk_or_refuse, self._reject, self.served)
         self._rejections = RateLimitedLog(REJECTION_LOG_INTERVAL_S)
@@ -246,6 +250,8 @@ class WeightPublisher:
             self._reject(key, "unexpected_type", f"weights server got {type(body).__name__}")
 
     def _manifest_reply(self, have_version: int) -> list:
+        if self.before_manifest is not None:
+            self.before_manifest()
         latest = self.snapshots.newest()
         if latest is None or latest.version <= have_version:
             self.served["up_to_date"] += 1

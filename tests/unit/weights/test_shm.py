@@ -424,24 +424,34 @@ def test_a_version_that_outgrows_the_slots_retires_the_segment_and_keeps_every_t
     writer.close()
 
 
-def test_the_learners_publish_goes_to_shared_memory_and_to_zeromq_from_it(dirs):
-    from asyncrl.weights import WeightPublisher
+def test_zeromq_copies_the_newest_version_from_shared_memory_only_when_asked(dirs):
+    import zmq
+
+    from asyncrl.transport import free_port, tcp
+    from asyncrl.weights import WeightClient, WeightPublisher
     from asyncrl.weights.shm_publisher import ShmPublisher
 
     run_dir, shm_dir = dirs
-    sink = ShmPublisher(WeightPublisher("tcp://127.0.0.1:*"), ShmWriter(run_dir, shm_dir))
+    publisher = WeightPublisher(tcp("127.0.0.1", free_port()))
+    sink = ShmPublisher(publisher, ShmWriter(run_dir, shm_dir))
+    context = zmq.Context()
+    client = WeightClient(context, publisher.endpoint, timeout_s=30.0)
     try:
         for version in (1, 2, 3):  # v1 sizes the segment (zmq first), v2 and v3 stream in
             assert sink.publish(iter(tensors(version).items()), version) >= 0.0
             backend = CopyingBackend()
             assert ShmSource(run_dir, shm_dir).sync_into(backend, 0, far()).version == version
             expect_version(backend.weights, version)
-        sink._wait_for_copy()  # the ZeroMQ copy runs beside training
-        snapshot = sink.zmq.snapshots.newest()
-        served = dict(zip([e.name for e in snapshot.tensors], snapshot.buffers, strict=True))
-        assert snapshot.version == 3
-        expect_version(served, 3)
-        assert sink.stats()["weights_shm_published_total"] == 3.0
+        assert sink.version == 3 and publisher.snapshots.newest().version == 1  # no copy yet
+        fetched = client.fetch_newer(1)  # a replica elsewhere asks: v3 is copied for it
+        assert fetched is not None and fetched[0] == 3
+        expect_version(fetched[2], 3)
+        assert client.fetch_newer(3) is None
+        stats = sink.stats()
+        assert stats["weights_shm_published_total"] == 3.0
+        assert stats["weights_shm_zmq_copies_total"] == 1.0  # v3 only: v2 was never asked for
     finally:
+        client.close()
+        context.term()
         sink.close()
     assert list(shm_dir.iterdir()) == []
