@@ -28,6 +28,7 @@ import torch
 from asyncrl.weights.collective_buckets import (
     FIRST_PIECE,
     Bucket,
+    in_pieces,
     plan_buckets,
     plan_slot_buckets,
 )
@@ -115,7 +116,7 @@ class SnapshotVersion:
         self.version = snapshot.version
         self.published_at = snapshot.published_at
         self._plan = plan_buckets(snapshot.tensors, bucket_bytes)
-        self.buckets = tuple(bucket for bucket, _ in self._plan)
+        self.buckets = tuple(in_pieces([b for b, _ in self._plan], bucket_bytes, FIRST_PIECE))
         self._packed: tuple[int, torch.Tensor] | None = None
 
     def piece(

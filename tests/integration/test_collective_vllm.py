@@ -68,6 +68,8 @@ def test_a_broadcast_into_the_vllm_engine_changes_its_greedy_generation(tmp_path
     prompts = [[1, 5, 6, 7, 13], [1, 9, 3, 13]]
     try:
         assert backend.in_place_weights is not None
+        assert max(t.numel() * t.element_size() for t in base.values()) > BUCKET_BYTES
+        # so its largest tensors arrive in pieces of a bucket's size, each its own broadcast
         before = greedy(backend, prompts)
         changed = {name: t * 1.3 for name, t in base.items()}
         sender.snapshots.publish(changed, 1)
