@@ -370,17 +370,19 @@ class GeneratorReplica:
     def send(self, finished: list[Rollout], wait_s: float = SCORE_WAIT_S) -> None:
         """Ask for the rewards of ``finished``; send every sample whose reward is in after
         at most ``wait_s`` (sooner once all are)."""
+        decode = self.backend.tokenizer.decode
+        samples = []
         for r in finished:
-            text = self.backend.tokenizer.decode(r.response_ids, skip_special_tokens=True)
+            text = decode(r.response_ids, skip_special_tokens=True)
             extra = self.extra_info.get(r.group_id)
             if extra is not None:
                 extra[1] -= 1
                 if extra[1] <= 0:
                     del self.extra_info[r.group_id]
-            future = self.scorer.submit(
-                r.data_source, text, r.ground_truth, extra[0] if extra else {}
-            )
-            self.scoring.append((r, future))
+            samples.append((r.data_source, text, r.ground_truth, extra[0] if extra else {}))
+        if samples:  # one batch for the reward workers, not a round trip per sample
+            futures = self.scorer.submit_many(samples)
+            self.scoring += zip(finished, futures, strict=True)
         wait([future for _, future in self.scoring], timeout=wait_s)
         done = [future.done() for _, future in self.scoring]
         scored = [pair for pair, ready in zip(self.scoring, done, strict=True) if ready]

@@ -66,7 +66,8 @@ from asyncrl.rewards.processes import WorkerProcess, exit_description
 log = logging.getLogger("asyncrl.rewards")  # the name operators filter on, as before the split
 
 _LOGGED_PER_TAG = 5
-_BATCH = 64
+_BATCH = 256
+"""Jobs per frame to a worker (a reply per job still resets its deadline)."""
 
 _OUTPUT_LOG_INTERVAL_S = 60.0
 """At most one excerpt of the workers' output is logged per interval; the rest is counted."""
@@ -156,26 +157,36 @@ class RewardScorer:
 
         ``function`` (``module:function`` or ``file.py:function``) scores this
         sample instead of the scorer's own (a multi-turn environment's reward)."""
+        return self.submit_many([(data_source, solution_str, ground_truth, extra_info, function)])[
+            0
+        ]
+
+    def submit_many(self, samples: Iterable[tuple]) -> list[Future]:
+        """Queue ``(data_source, solution_str, ground_truth, extra_info[, function])``
+        samples at once, one future each, in order: the dispatcher wakes once and sends
+        them to a worker in one batch, not one round trip per sample."""
         if self._closed:
             raise RuntimeError("the reward scorer is closed")
         if self._failed:
             raise RuntimeError(f"reward workers cannot start: {self._failed}")
-        future: Future = Future()
-        args = (data_source, solution_str, ground_truth, extra_info, function)
-        job = _Job(next(self._ids), args, future)
+        jobs = []
+        for sample in samples:
+            data_source, solution_str, ground_truth, extra_info, *function = sample
+            args = (data_source, solution_str, ground_truth, extra_info, *(function or [None]))
+            jobs.append(_Job(next(self._ids), args, Future()))
         with self._lock:
-            self._queue.append(job)
+            self._queue.extend(jobs)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._dispatch_loop, name="reward-scorer", daemon=True
                 )
                 self._thread.start()
         self._wake()
-        return future
+        return [job.future for job in jobs]
 
     def score_many(self, samples: Iterable[tuple]) -> list[Score]:
         """Score ``(data_source, solution_str, ground_truth, extra_info)`` tuples; blocks."""
-        return [future.result() for future in [self.submit(*sample) for sample in samples]]
+        return [future.result() for future in self.submit_many(samples)]
 
     def score(self, data_source, solution_str, ground_truth, extra_info=None) -> Score:
         return self.submit(data_source, solution_str, ground_truth, extra_info).result()

@@ -298,3 +298,29 @@ def test_numpy_values_in_a_job_reach_the_function_as_plain_data(rogue):
     with RewardScorer(rogue, timeout_s=30) as scorer:
         (score,) = _score_all(scorer, [("x", seen, "", extra_info)])
     assert (score.reward, score.error) == (1.0, None)
+
+
+def test_samples_submitted_together_go_to_the_worker_in_one_batch_and_keep_their_order(
+    rogue, monkeypatch
+):
+    import asyncrl.rewards.scorer as scorer_module
+
+    frames = []
+    real_encode = scorer_module.encode_jobs
+
+    def counting(jobs):
+        frames.append(len(jobs) if jobs is not None else None)
+        return real_encode(jobs)
+
+    monkeypatch.setattr(scorer_module, "encode_jobs", counting)
+    samples = [("x", f"return {i} / 4", "", None) for i in range(100)]
+    samples[7] = ("x", "return None", "", None)  # one bad sample costs only itself
+    with RewardScorer(rogue, timeout_s=30) as scorer:
+        wakes = []
+        real_wake = scorer._wake
+        monkeypatch.setattr(scorer, "_wake", lambda: (wakes.append(1), real_wake()))
+        scores = [future.result(timeout=60) for future in scorer.submit_many(samples)]
+        woken = len(wakes)
+    assert woken == 1 and frames[:1] == [100]  # one wake-up, one frame of 100 jobs
+    assert [s.reward for s in scores] == [0.0 if i == 7 else i / 4 for i in range(100)]
+    assert scores[7].error == "error:bad_return" and scores[8].error is None
