@@ -120,3 +120,14 @@ def export_pretrained(name_or_path: str, output: Path, dtype: str = "float32") -
     model.save_pretrained(output)
     tokenizer.save_pretrained(output)
     return output
+
+
+def tied_names(model: torch.nn.Module) -> tuple[str, str] | None:
+    """``(embedding, lm_head)`` state-dict names of a model that ties them, else None."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return None
+    embedding = model.get_input_embeddings().weight
+    names = [n for n, t in model.state_dict(keep_vars=True).items() if t is embedding]
+    (input_name,) = [n for n, p in model.named_parameters() if p is embedding]
+    heads = [n for n in names if n != input_name]
+    return (input_name, heads[0]) if heads else None

@@ -69,6 +69,7 @@ import torch
 
 from asyncrl.config import GeneratorsConfig
 from asyncrl.generators.backend import Rollout, StopStrings, append_tokens, check_state_dict
+from asyncrl.models import tied_names
 
 log = logging.getLogger("asyncrl.generators.vllm")
 
@@ -111,17 +112,6 @@ def export_model(model: torch.nn.Module, tokenizer, directory: Path) -> Path:
     to_save.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
-
-
-def tied_names(model: torch.nn.Module) -> tuple[str, str] | None:
-    """``(embedding, lm_head)`` state-dict names of a model that ties them, else None."""
-    if not getattr(model.config, "tie_word_embeddings", False):
-        return None
-    embedding = model.get_input_embeddings().weight
-    names = [n for n, t in model.state_dict(keep_vars=True).items() if t is embedding]
-    (input_name,) = [n for n, p in model.named_parameters() if p is embedding]
-    heads = [n for n in names if n != input_name]
-    return (input_name, heads[0]) if heads else None
 
 
 def _swap_dir(work_dir: Path) -> Path:

@@ -18,7 +18,7 @@ from asyncrl.learner.algorithms import needs_of
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.update import Update
-from asyncrl.models import DTYPES, build_policy, empty_like
+from asyncrl.models import DTYPES, build_policy, empty_like, tied_names
 
 
 def lr_multiplier(config: Config):
@@ -51,6 +51,10 @@ class Learner:
         needs = needs_of(config.algorithm)
         policy, self.tokenizer = build_policy(config.model, config.run.seed)
         self.policy_config = policy.config
+        tied = tied_names(policy)
+        self.tied_head = {tied[1]} if tied else set()
+        """An LM head tied to the embedding: published once, as the embedding (every
+        engine ties it back), so each sync moves its bytes once, not twice."""
         model: nn.Module = policy
         if needs.values:
             with torch.random.fork_rng():
@@ -97,6 +101,10 @@ class Learner:
     def full_tensors(self):
         """The policy's full tensors, one at a time (a collective: every rank drains it)."""
         return sharding.full_tensors(self.model, self.publish_prefix)
+
+    def published_tensors(self):
+        """:meth:`full_tensors` as the generators get them: a tied LM head left out."""
+        return sharding.full_tensors(self.model, self.publish_prefix, skip=self.tied_head)
 
     def save_checkpoint(self, path: Path) -> bool:
         """Write this rank's part; False (on every rank) if refused as not finite."""

@@ -57,7 +57,7 @@ class Publisher:
         version = self.learner.version
         progress.beat(f"publishing weights v{version}")
         started = time.perf_counter()
-        self.sink.publish(self.learner.full_tensors(), version)
+        self.sink.publish(self.learner.published_tensors(), version)
         self.published = version
         return time.perf_counter() - started
 

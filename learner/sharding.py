@@ -9,6 +9,8 @@ is one block's full weights plus the shards.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -95,15 +97,16 @@ def shard(model: nn.Module, config: LearnerConfig, ranks: Ranks) -> nn.Module:
     return model
 
 
-def full_tensors(model: nn.Module, prefix: str = ""):
-    """Yield ``(name, full CPU tensor)`` per entry of the state dict, one at a time.
+def full_tensors(model: nn.Module, prefix: str = "", skip: Collection[str] = ()):
+    """Yield ``(name, full CPU tensor)`` per entry of the state dict, one at a time,
+    but those named in ``skip``.
 
     A collective: every rank must drain the iterator in the same order; each
     gets the full tensors. Names are the Hugging Face ones (``prefix``
     stripped), which is what generators load.
     """
     for name, tensor in model.state_dict().items():
-        if not name.startswith(prefix):
+        if not name.startswith(prefix) or name[len(prefix) :] in skip:
             continue
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         yield name[len(prefix) :], full.detach().cpu()

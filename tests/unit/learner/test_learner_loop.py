@@ -33,7 +33,7 @@ class FakeLearner:
         self.version += 1
         return {"loss_policy": 0.5}
 
-    def full_tensors(self):
+    def published_tensors(self):
         for name in ("a", "b"):  # a collective: every rank must drain it
             yield name, None
         self.drained.append(self.version)

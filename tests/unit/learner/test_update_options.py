@@ -142,3 +142,20 @@ def test_the_abs_kl_estimator_is_reported_in_the_loss(ranks: Ranks):
     learner.train_step(batch_at(0))
     metrics = learner.train_step(batch_at(1))  # the policy moved from the reference
     assert metrics["learner_kl"] > 0
+
+
+def test_a_tied_lm_head_is_published_once_and_the_engine_ties_it_back(ranks: Ranks):
+    from asyncrl.config import GeneratorsConfig
+    from asyncrl.generators.hf_backend import HFBackend
+    from asyncrl.models import build_policy
+
+    learner = make_learner(ranks)
+    full = weights(learner)
+    published = {name: tensor.clone() for name, tensor in learner.published_tensors()}
+    assert set(full) - set(published) == {"lm_head.weight"}  # the tiny model ties it
+    assert torch.equal(full["lm_head.weight"], full["model.embed_tokens.weight"])
+    model, tokenizer = build_policy(learner.config.model, seed=99)  # other weights
+    backend = HFBackend(model, tokenizer, GeneratorsConfig())
+    backend.load_weights(published, 1)
+    held = model.state_dict()
+    assert all(torch.equal(held[name], tensor) for name, tensor in full.items())
