@@ -487,7 +487,8 @@ def readings(report: dict) -> list[str]:
     if all("shm" in r["paths"] for r in results):
         lines.append(
             f"- shm: the replica follows the learner's write (the learner announces the "
-            f"layout, then marks its progress after each tensor), so its copy out of the "
+            f"layout, then marks its progress in bytes after each tensor and every 8 MiB "
+            f"within a large one), so its copy out of the "
             f"slot runs beside the learner's copy into it instead of after it: the load, "
             f"waits for the next tensor included, takes {stage('shm', 'load_s')} memcpy "
             f"against a stall of {stage('shm', 'stall_s')} (mapping and checks "
@@ -511,8 +512,9 @@ def readings(report: dict) -> list[str]:
             f"broadcast of the same bytes between two processes, measured in the same run, "
             f"takes {bare}: that is the link here (loopback TCP, every byte copied through "
             f"the kernel twice), and the path's own overhead is the difference: mostly the "
-            f"wait for the first bucket (the embedding, written first, is one) and the "
-            f"learner's write, which shares the 2 cores with both ends of the broadcast. The "
+            f"learner's write, which shares the 2 cores and the memory bandwidth with both "
+            f"ends of the broadcast (the first broadcast, 4 MiB, leaves once those bytes are "
+            f"written, not once the whole embedding is). The "
             f"replica waits {stage('collective', 'waited_s')} memcpys before its try, and "
             f"loads for {stage('collective', 'load_s')}."
         )
