@@ -157,9 +157,10 @@ class RewardScorer:
 
         ``function`` (``module:function`` or ``file.py:function``) scores this
         sample instead of the scorer's own (a multi-turn environment's reward)."""
-        return self.submit_many([(data_source, solution_str, ground_truth, extra_info, function)])[
-            0
-        ]
+        (future,) = self.submit_many(
+            [(data_source, solution_str, ground_truth, extra_info, function)]
+        )
+        return future
 
     def submit_many(self, samples: Iterable[tuple]) -> list[Future]:
         """Queue ``(data_source, solution_str, ground_truth, extra_info[, function])``
@@ -169,11 +170,10 @@ class RewardScorer:
             raise RuntimeError("the reward scorer is closed")
         if self._failed:
             raise RuntimeError(f"reward workers cannot start: {self._failed}")
-        jobs = []
-        for sample in samples:
-            data_source, solution_str, ground_truth, extra_info, *function = sample
-            args = (data_source, solution_str, ground_truth, extra_info, *(function or [None]))
-            jobs.append(_Job(next(self._ids), args, Future()))
+        jobs = [
+            _Job(next(self._ids), (*sample, None)[:5], Future())  # function: None unless given
+            for sample in samples
+        ]
         with self._lock:
             self._queue.extend(jobs)
             if self._thread is None:

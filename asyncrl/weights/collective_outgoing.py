@@ -19,6 +19,7 @@ is checked out for the whole send).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -78,12 +79,9 @@ class SlotVersion:
         self, number: int, start: int, end: int, deadline: float, stage: Stage
     ) -> torch.Tensor:
         at = self._plan[number][1]
-        while self.following and not self._written(at + end):
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the learner's write of v{self.version} did not reach bucket {number} in time"
-                )
-            time.sleep(FOLLOW_POLL_S)
+        if self.following:
+            why = f"v{self.version}'s write did not reach bucket {number}"
+            _wait_until(functools.partial(self._written, at + end), deadline, why)
         return self.slots.data(self.slot, at + start, end - start)
 
     def _written(self, nbytes: int) -> bool:
@@ -96,15 +94,22 @@ class SlotVersion:
         slots, slot = self.slots, self.slot
         if not self.following:
             return slots.seq(slot) == slot.seq
-        while slots.seq(slot) == slot.seq:  # sent all: wait for the write's last bytes
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the learner's write of v{self.version} did not complete")
-            time.sleep(FOLLOW_POLL_S)
+        # sent all: wait for the write's last bytes
+        why = f"v{self.version}'s write did not complete"
+        _wait_until(lambda: slots.seq(slot) != slot.seq, deadline, why)
         # the write completed as announced, and nothing has overwritten it since
         return slots.seq(slot) == slot.seq + 1 and slots.progress(slot) != PLAN_BROKEN
 
     def release(self) -> None:
         pass
+
+
+def _wait_until(done: Callable[[], bool], deadline: float, why: str) -> None:
+    """Poll the learner's write until ``done``; past ``deadline``, TimeoutError(``why``)."""
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{why} in time")
+        time.sleep(FOLLOW_POLL_S)
 
 
 class SnapshotVersion:

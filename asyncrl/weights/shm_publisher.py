@@ -78,6 +78,8 @@ class ShmPublisher:
     def serve_over_zmq(self) -> None:
         """Copy the newest version from its slot into the ZeroMQ snapshot, if not yet done
         (the ZeroMQ server calls this before it answers a manifest request)."""
+        if self._unserved is None:  # nothing to copy: never wait on a publish under way
+            return
         with self._lock:
             if self._unserved is None:
                 return
