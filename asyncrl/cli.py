@@ -106,7 +106,10 @@ def _keys(directory: Path, force: bool) -> int:
         return 1
     print(f"CURVE keys written to {keys}/ (secret files readable by you only)")
     print(f"  launch with: asyncrl launch CONFIG --run-dir {directory} cluster.bind=0.0.0.0")
-    print("  other machines need server.key, client.key and client.key_secret (docs/security.md)")
+    print(
+        "  generator machines need server.key, client.key and client.key_secret (and group.key "
+        "with weights.transport=collective); never server.key_secret (docs/security.md)"
+    )
     return 0
 
 

@@ -17,9 +17,11 @@ state a resumed run needs.
 
 Every problem with a file is a :class:`DataError` of one line naming the file
 and, for a row, its number (JSONL: the line; parquet: the row, both from 1):
-not UTF-8, not JSON, a line over :data:`MAX_LINE_BYTES`, a missing field, a
-chat template that refuses the row. :func:`scan_rows` reports a file's row
-problems one by one, for :mod:`asyncrl.preflight` to list them all.
+not UTF-8, not JSON, a row over its size cap (:mod:`asyncrl.data_files` reads the
+files within documented caps), a missing field, a value that cannot be sent on
+(an integer past 64 bits in ``extra_info``), a chat template that refuses the
+row. :func:`scan_rows` reports a file's row problems one by one, for
+:mod:`asyncrl.preflight` to list them all.
 """
 
 from __future__ import annotations
@@ -34,15 +36,13 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.data_files import MAX_LINE_BYTES as MAX_LINE_BYTES
+from asyncrl.data_files import MAX_ROW_BYTES as MAX_ROW_BYTES
+from asyncrl.data_files import DataError as DataError
+from asyncrl.data_files import one_line as one_line
+from asyncrl.data_files import raw_rows
+
 log = logging.getLogger("asyncrl.data")
-
-MAX_LINE_BYTES = 1 << 20
-"""The longest JSONL line (1 MiB) read: a longer one is an error naming its row,
-so a file without newlines is not read into memory whole."""
-
-
-class DataError(ValueError):
-    """A file that cannot be read, or a row without the fields the layout requires."""
 
 
 @dataclass(frozen=True)
@@ -183,14 +183,6 @@ def render_prompt(tokenizer, messages: list[dict[str, str]], where: str) -> list
     return [int(token) for token in ids]
 
 
-def one_line(error: BaseException, limit: int = 300, typed: bool = True) -> str:
-    """``Type: message`` (``typed``) or the message, on one line, cut at ``limit``
-    characters: a multi-line message from a template or a library stays one line."""
-    text = f"{type(error).__name__}: {error}" if typed else str(error)
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
 def read_rows(path: str | Path) -> Iterator[Row]:
     """The rows of one file, checked; the first problem raises :class:`DataError`."""
     for row in scan_rows(path):
@@ -205,7 +197,7 @@ def scan_rows(path: str | Path) -> Iterator[Row | DataError]:
     unreadable parquet, no rows) raises one."""
     path = Path(path)
     empty = True
-    for number, raw in _raw_rows(path):
+    for number, raw in raw_rows(path):
         empty = False
         where = f"{path}:{number}"
         if isinstance(raw, DataError):
@@ -217,75 +209,6 @@ def scan_rows(path: str | Path) -> Iterator[Row | DataError]:
             yield error
     if empty:
         raise DataError(f"{path}: no rows (the file is empty or blank)")
-
-
-def _raw_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    """``(row number, the row's object or a DataError)`` for each row of ``path``."""
-    if not path.is_file():
-        raise DataError(f"{path}: no such data file")
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        yield from _jsonl_rows(path)
-    elif suffix == ".parquet":
-        yield from enumerate(_parquet_rows(path), start=1)
-    else:
-        raise DataError(f"{path}: unknown data file type '{suffix}'; use .parquet or .jsonl")
-
-
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    """Line numbers with their JSON values (blank lines skipped, still counted)."""
-    try:
-        file = path.open("rb")
-    except OSError as error:
-        raise DataError(f"{path}: cannot read: {error.strerror}") from None
-    with file:
-        number = 0
-        while line := file.readline(MAX_LINE_BYTES + 1):
-            number += 1
-            if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
-                _skip_line(file)
-                limit = f"{MAX_LINE_BYTES / 2**20:g} MiB"
-                problem = f"line longer than {limit}; a prompt row is far shorter (is it JSONL?)"
-                yield number, DataError(f"{path}:{number}: {problem}")
-                continue
-            if number == 1:
-                line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark
-            if line.strip():
-                yield number, _json_value(line, f"{path}:{number}")
-
-
-def _skip_line(file) -> None:
-    """Read past the rest of an over-long line, a bounded chunk at a time."""
-    while (chunk := file.readline(MAX_LINE_BYTES)) and not chunk.endswith(b"\n"):
-        pass
-
-
-def _json_value(line: bytes, where: str) -> Any:
-    """One JSONL line's value, or a DataError naming ``where`` and the column."""
-    try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError as error:
-        return DataError(
-            f"{where}: not UTF-8 text (byte 0x{line[error.start]:02x} at byte "
-            f"{error.start + 1} of the line); save the file as UTF-8"
-        )
-    try:
-        return json.loads(text.rstrip("\r\n"))
-    except json.JSONDecodeError as error:
-        return DataError(f"{where}: not valid JSON at column {error.colno}: {error.msg}")
-    except RecursionError:
-        return DataError(f"{where}: not valid JSON: nested too deeply")
-
-
-def _parquet_rows(path: Path) -> list[Any]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:  # pragma: no cover - pyarrow is a dependency
-        raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
-    try:
-        return pq.read_table(path).to_pylist()
-    except Exception as error:
-        raise DataError(f"{path}: cannot read parquet: {one_line(error)}") from None
 
 
 def _parse_row(raw: Any, where: str) -> Row:
@@ -314,10 +237,11 @@ def _parse_row(raw: Any, where: str) -> Row:
         raise DataError(f"{where}: missing field 'reward_model.ground_truth'")
     truth = reward_model["ground_truth"]
     if not isinstance(truth, str):
-        truth = json.dumps(truth.tolist() if isinstance(truth, np.ndarray) else truth)
+        truth = _as_text(truth, where)
     extra_info = raw.get("extra_info") or {}
     if not isinstance(extra_info, dict):
         raise DataError(f"{where}: 'extra_info' must be an object, got {type(extra_info).__name__}")
+    _check_sendable(extra_info, where)
     return Row(
         [{"role": m["role"], "content": m["content"]} for m in messages],
         data_source,
@@ -325,3 +249,27 @@ def _parse_row(raw: Any, where: str) -> Row:
         extra_info,
         where,
     )
+
+
+def _as_text(truth: Any, where: str) -> str:
+    """A ground truth that is not a string, written as JSON (a number, a list, ...)."""
+    try:
+        return json.dumps(truth.tolist() if isinstance(truth, np.ndarray) else truth)
+    except (TypeError, ValueError) as error:
+        raise DataError(
+            f"{where}: 'reward_model.ground_truth' cannot be written as text: {one_line(error)}"
+        ) from None
+
+
+def _check_sendable(extra_info: dict, where: str) -> None:
+    """``extra_info`` travels to the generators and the reward workers as msgpack: refuse
+    here, naming the row, what cannot (an integer past 64 bits, an unknown type)."""
+    from asyncrl.rewards.channel import encode_jobs
+
+    try:
+        encode_jobs([extra_info])
+    except (TypeError, ValueError, OverflowError) as error:
+        raise DataError(
+            f"{where}: 'extra_info' holds a value that cannot be sent to the reward function: "
+            f"{one_line(error, typed=False)}"
+        ) from None

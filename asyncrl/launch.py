@@ -21,10 +21,11 @@ from pathlib import Path
 
 from asyncrl.closing import closing_message
 from asyncrl.config import Config, save_config
+from asyncrl.cores import launcher_plan
 from asyncrl.local_run import Supervisor, launch_local
 from asyncrl.paths import latest_checkpoint
 from asyncrl.progress import PROGRESS_DIR
-from asyncrl.security import provision_run_secret, resolve_keys
+from asyncrl.security import provision_run, resolve_keys
 from asyncrl.supervision import stop_phases, stop_timeout_s
 from asyncrl.transport import free_port
 
@@ -115,16 +116,19 @@ def launch(
     preflight(config)  # data, reward function, environment, machine: PreflightError
     try:  # an unwritable run directory is said in a line, before anything starts
         run_dir = make_run_dir(config, run_dir)
-        config = provision_run_secret(config, run_dir)
+        # each role's credentials, the learner's new and kept in memory (docs/security.md)
+        config, credentials = provision_run(config, run_dir)
     except OSError as error:
         return unwritable(error)
     if config.cluster.backend == "ray":  # the roles as Ray actors (docs/ray.md)
         from asyncrl.ray_cluster import launch_ray
 
-        return launch_ray(config, run_dir, resume_from, quiet)
+        return launch_ray(config, run_dir, resume_from, quiet, credentials)
     config = resolve_ports(config)
+    cores = launcher_plan(config)
     try:
         save_config(config, run_dir / "config.yaml")
+        cores.save(run_dir)
     except OSError as error:
         return unwritable(error)
-    return launch_local(config, run_dir, resume_from, quiet)
+    return launch_local(config, run_dir, resume_from, quiet, credentials, cores)

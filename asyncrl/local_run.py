@@ -9,7 +9,9 @@ when the learner or the buffer fails or stalls).
 Every process gets the config the launcher validated, from the launcher's
 memory (``ASYNCRL_CONFIG``, :func:`asyncrl.roles.config_env`), at its first
 start and at every restart: ``RUN_DIR/config.yaml`` is written for people and
-``asyncrl status``, and no process the launcher starts reads it back.
+``asyncrl status``, and no process the launcher starts reads it back. It also
+gets its own role's credentials and no other's, over a pipe it inherits
+(:func:`asyncrl.credentials.handed_over`): the learner's are in no file.
 
 With ``learner.world_size`` N > 1 the launcher starts the N learner ranks
 itself (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), which
@@ -46,6 +48,8 @@ import psutil
 from asyncrl.closing import see_through
 from asyncrl.config import Config
 from asyncrl.console import RunConsole, open_console
+from asyncrl.cores import CORES_ENV, CorePlan
+from asyncrl.credentials import Credentials, handed_over, held
 from asyncrl.paths import LEARNER_STORE_ENV, replica_name
 from asyncrl.roles import config_env
 from asyncrl.stop_signals import StopSignals, raise_interrupted
@@ -109,11 +113,23 @@ def members(process: subprocess.Popen | RankGroup) -> list[subprocess.Popen]:
 class Supervisor(Supervision):
     """The run's process table: starts, restarts and stops its processes."""
 
-    def __init__(self, config: Config, run_dir: Path, notify: Callable[[str], None] = _stderr):
+    def __init__(
+        self,
+        config: Config,
+        run_dir: Path,
+        notify: Callable[[str], None] = _stderr,
+        credentials: Credentials | None = None,
+        cores: CorePlan | None = None,
+    ):
         self.config = config
         self.run_dir = run_dir
         self.notify = notify
         """Where events (a generator exited, restarted) are reported."""
+        self.credentials = credentials or held(config.cluster)
+        """The run's credentials (:func:`asyncrl.security.provision_run`); each process is
+        handed its role's share. None: ``cluster.auth`` off, or none held here."""
+        self.roles: dict[str, str] = {}
+        """Each started process's role, by name."""
         self.processes: dict[str, subprocess.Popen | RankGroup] = {}
         self.replicas: dict[str, Replica] = {}
         self.handed = config_env(config)
@@ -122,6 +138,8 @@ class Supervisor(Supervision):
         """The private directory of the learner ranks' file store (more than one rank)."""
         self.watchdog = Watchdog(run_dir, config.run.stall_timeout_s, notify)
         """Which process made no progress for ``run.stall_timeout_s`` (:mod:`asyncrl.watchdog`)."""
+        self.cores = cores or CorePlan(reason="no plan given")
+        """Who computes on which cores (:mod:`asyncrl.cores`); empty: nobody is pinned."""
 
     # ------------------------------------------------------------------ start
 
@@ -129,8 +147,9 @@ class Supervisor(Supervision):
         """Start ``python -m asyncrl.roles ROLE RUN_DIR``; with ``ranks`` > 1, one such
         process per learner rank, held together as a :class:`RankGroup`."""
         command = [sys.executable, "-m", "asyncrl.roles", role, str(self.run_dir), *extra]
+        self.roles[name] = role
         if ranks == 1:
-            self.processes[name] = self._spawn(name, command)
+            self.processes[name] = self._spawn(name, command, self._cores_env(name))
             self._watch(name, role)
             return
         group = {
@@ -142,11 +161,25 @@ class Supervisor(Supervision):
             group["OMP_NUM_THREADS"] = "1"  # as torchrun sets it for several ranks
         self.processes[name] = RankGroup(
             [
-                self._spawn(name, command, {**group, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+                self._spawn(
+                    name,
+                    command,
+                    {
+                        **group,
+                        "RANK": str(rank),
+                        "LOCAL_RANK": str(rank),
+                        **self._cores_env(name, rank),
+                    },
+                )
                 for rank in range(ranks)
             ]
         )
         self._watch(name, role)
+
+    def _cores_env(self, name: str, rank: int = 0) -> dict[str, str]:
+        """``ASYNCRL_CORES`` for ``name`` (rank ``rank``), if the plan pins it."""
+        cores = self.cores.of(name, rank)
+        return {} if cores is None else {CORES_ENV: ",".join(map(str, cores))}
 
     def _watch(self, name: str, role: str) -> None:
         """Have the watchdog follow ``name``'s process, or each rank (``learner-R``)."""
@@ -159,7 +192,11 @@ class Supervisor(Supervision):
     def _spawn(
         self, name: str, command: list[str], env: dict[str, str] | None = None
     ) -> subprocess.Popen:
-        with self.log_path(name).open("a") as log_file:
+        """Start ``command`` for ``name``, handing it its role's credentials."""
+        given = None
+        if self.credentials is not None and name in self.roles:
+            given = self.credentials.for_role(self.roles[name])
+        with self.log_path(name).open("a") as log_file, handed_over(given) as handover:
             return subprocess.Popen(
                 command,
                 stdout=log_file,
@@ -167,7 +204,8 @@ class Supervisor(Supervision):
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
-                env={**os.environ, **self.handed, **(env or {})},
+                pass_fds=handover.fds,
+                env={**os.environ, **self.handed, **(env or {}), **handover.env},
             )
 
     def _fresh_store(self) -> Path:
@@ -361,15 +399,31 @@ def supervise(supervisor: Supervisor, console: RunConsole) -> str | None:
     return supervisor.failure()
 
 
-def launch_local(config: Config, run_dir: Path, resume_from: Path | None, quiet: bool) -> int:
-    """Run ``config`` (ports resolved, config saved) to completion on this machine."""
+def launch_local(
+    config: Config,
+    run_dir: Path,
+    resume_from: Path | None,
+    quiet: bool,
+    credentials: Credentials | None = None,
+    cores: CorePlan | None = None,
+) -> int:
+    """Run ``config`` (ports resolved, config saved) to completion on this machine, each
+    process handed its share of ``credentials`` and pinned to its ``cores``."""
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     steps_done = int(resume_from.name.removeprefix("step-")) if resume_from else 0
     with open_console(config, run_dir, quiet, steps_done) as console:
         console.note(f"run dir: {run_dir}")
         if resume_from is not None:
             console.note(f"resuming from {resume_from}")
-        supervisor = Supervisor(config, run_dir, notify=lambda text: console.note(text, True))
+        if cores is not None:
+            console.note(cores.summary())
+        supervisor = Supervisor(
+            config,
+            run_dir,
+            notify=lambda text: console.note(text, True),
+            credentials=credentials,
+            cores=cores,
+        )
 
         def stop() -> None:
             supervisor.stop_all(hurry=signals.hurry)

@@ -25,7 +25,13 @@ def machine_problems(
         return []
     gpus = _cuda_device_count() if cuda_devices is None else cuda_devices
     cores = _cpu_count() if cpus is None else cpus
-    return [*_learner_problems(config.learner, gpus, cores), *_generator_problems(config, gpus)]
+    from asyncrl.cores import pinning_problems
+
+    return [
+        *_learner_problems(config.learner, gpus, cores),
+        *_generator_problems(config, gpus),
+        *pinning_problems(config),
+    ]
 
 
 def _learner_problems(learner: LearnerConfig, gpus: int, cpus: int) -> list[str]:

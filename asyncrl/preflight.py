@@ -12,13 +12,19 @@ config key and, for data, the file and row:
   policy tokenizer's chat template (the tokenizer only, no model; at most
   :data:`RENDER_LIMIT` rows a file, so a big dataset stays quick);
 - the reward function: ``reward.function`` (and an environment's named one) is
-  called on the first row of each data source, with its ground truth as the
-  response, in a reward worker process as the generators would, so one that
-  raises, hangs, crashes, or scores outside ``reward.min``..``reward.max`` is
-  named with the row; without it, each row's ``data_source`` needs a built-in
-  (:func:`asyncrl.rewards.builtin_reward_function`) whose rewards fit that range;
+  imported and called on the first row of each data source, with its ground truth
+  as the response, so one that raises, hangs, crashes, or scores outside
+  ``reward.min``..``reward.max`` is named with the row; without it, each row's
+  ``data_source`` needs a built-in (:func:`asyncrl.rewards.builtin_reward_function`)
+  whose rewards fit that range;
 - the ``environment``, when set: built once (its tools resolved, its reward
-  function loaded, its turn formatter built on the tokenizer), running no model;
+  function loaded), running no model, and its turn formatter built on the tokenizer.
+
+The user's modules (reward functions, environments) are imported only in a
+contained child (:mod:`asyncrl.plugin_check`), under ``reward.load_timeout_s``
+(a call: ``reward.timeout_s``) and ``reward.memory_limit_mb``: one that hangs,
+crashes, allocates past the limit or stops its parent at import is one problem
+naming it, and no process of it is left; this process never imports them.
 - this machine (:func:`machine_checks`): what it cannot give the run
   (:func:`asyncrl.machine.machine_problems`) and the python tool's sandbox.
   ``asyncrl validate`` shows these as warnings: a config may be meant for
@@ -27,19 +33,18 @@ config key and, for data, the file and row:
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from collections.abc import Iterable, Iterator
+import importlib.util
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
+from asyncrl.config.base import one_line
 from asyncrl.machine import machine_problems
 
 if TYPE_CHECKING:
     from asyncrl.data import DataError, Row
-    from asyncrl.rewards import RewardScorer
 
 RENDER_LIMIT = 5000
 """Rows of each prompt file rendered with the chat template (every row's JSON and
@@ -62,8 +67,8 @@ class PreflightError(ValueError):
     """The run cannot start; ``problems`` holds one line per problem."""
 
     def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("\n".join(problems))
+        self.problems = [one_line(problem) for problem in problems]  # whatever a path holds
+        super().__init__("\n".join(self.problems))
 
 
 @dataclass(frozen=True)
@@ -105,8 +110,13 @@ def preflight(config: Config, *, data: bool = True, machine: bool = True) -> Non
 
 def machine_checks(config: Config) -> list[str]:
     """What this machine cannot give the run: cores, GPUs
-    (:func:`~asyncrl.machine.machine_problems`), the python tool's sandbox."""
+    (:func:`~asyncrl.machine.machine_problems`), peft for LoRA, the python tool's
+    sandbox."""
     problems = machine_problems(config)
+    if config.model.lora is not None and importlib.util.find_spec("peft") is None:
+        from asyncrl.lora import LoraUnavailable
+
+        problems.append(f"model.lora: {LoraUnavailable.advice}")
     if config.environment is not None:
         from asyncrl.envs.sandbox import SandboxUnavailable, check_isolation_for
 
@@ -301,30 +311,26 @@ def task_sample(config: Config) -> Sample:
 def check_environment(
     config: Config, tokenizer: _Tokenizer, formatter: bool = True
 ) -> tuple[list[str], str | None]:
-    """Problems building ``environment`` (no model runs) and, with ``formatter``, its
-    turn formatter on the tokenizer; and the name of its own reward function when it
-    has one that is not built in."""
+    """Problems building ``environment`` (in a contained child: it imports the user's
+    modules; no model runs) and, with ``formatter``, its turn formatter on the tokenizer;
+    and the name of its own reward function when it has one that is not built in."""
     environment = config.environment
     if environment is None:
         return [], None
-    from asyncrl.envs.factory import environment_factory
     from asyncrl.envs.formatting import build_formatter
     from asyncrl.envs.tool_env import DEFAULT_SCORE
+    from asyncrl.plugin_check import Check, run_checks
 
-    problems: list[str] = []
-    score_function = None
-    try:  # quiet: machine_checks' sandbox says isolation=none once, not each build
-        with _quiet("asyncrl.envs.sandbox"):
-            built = environment_factory(environment, defer_score=True)()
-        score_function = getattr(built, "score_function", None)
-    except Exception as error:
-        problems.append(f"environment: {_text(error)}")
+    check = Check("environment", environment.name, (environment.model_dump(mode="json"),))
+    (outcome,) = run_checks([check], **_limits(config))
+    problems = [] if outcome.problem is None else [f"environment: {outcome.problem}"]
     needs_tokenizer = formatter and environment.formatter in ("template", "auto")
     if needs_tokenizer and tokenizer.get() is not None:
         try:
             build_formatter(environment.formatter, tokenizer.value)
         except Exception as error:
             problems.append(f"environment.formatter: {_text(error)}")
+    score_function = outcome.value
     if not isinstance(score_function, str) or score_function == DEFAULT_SCORE:
         score_function = None
     return problems, score_function
@@ -333,62 +339,51 @@ def check_environment(
 def check_rewards(
     config: Config, samples: list[Sample], environment_score: str | None = None
 ) -> list[str]:
-    """Load ``reward.function`` and call it (and ``environment_score``) on each sample
-    in one reward worker: the built-in functions are trusted and not called."""
-    function = config.reward.function
-    if not function and not environment_score:
+    """Load ``reward.function`` (and ``environment_score``) and call it on each sample, in
+    one contained child (:mod:`asyncrl.plugin_check`): the built-ins are trusted, not called."""
+    functions = {"reward.function": config.reward.function}
+    functions["environment.kwargs.compute_score"] = environment_score
+    functions = {key: name for key, name in functions.items() if name}
+    if not functions:
         return []
-    from asyncrl.rewards import RewardFunctionError, RewardScorer
+    from asyncrl.plugin_check import Check, run_checks
 
-    try:
-        scorer = RewardScorer.from_config(config.reward.model_copy(update={"workers": 1}))
-    except RewardFunctionError as error:
-        return [f"reward.function: {_text(error)}"]
+    checks = [(key, None, Check("reward", name)) for key, name in functions.items()]
+    for sample in samples[:REWARD_SAMPLES]:
+        args = (sample.data_source, sample.ground_truth, sample.ground_truth, sample.extra_info)
+        checks += [(key, sample, Check("score", name, args)) for key, name in functions.items()]
+    outcomes = run_checks([check for _, _, check in checks], **_limits(config))
     problems: list[str] = []
-    with _quiet("asyncrl.rewards"), scorer:
-        for sample in samples[:REWARD_SAMPLES]:
-            if function:
-                problems += _score(config, scorer, sample, None, "reward.function")
-            if environment_score:
-                key = "environment.kwargs.compute_score"
-                problems += _score(config, scorer, sample, environment_score, key)
+    for (key, sample, check), outcome in zip(checks, outcomes, strict=True):
+        if outcome.problem is not None:
+            where = "" if sample is None else f"{sample.where}: "
+            problems.append(f"{key}: {where}{outcome.problem}")
+        elif sample is not None and outcome.value is not None:
+            problems += _score_problem(config, key, sample, check.subject, outcome.value)
     return problems
 
 
-def _score(
-    config: Config, scorer: RewardScorer, sample: Sample, function: str | None, key: str
-) -> list[str]:
-    """The problem, if any, of scoring ``sample`` (its ground truth as the response)."""
-    name = function or config.reward.function
-    try:
-        future = scorer.submit(
-            sample.data_source,
-            sample.ground_truth,
-            sample.ground_truth,
-            sample.extra_info,
-            function,
-        )
-        score = future.result(timeout=config.reward.timeout_s + 60)
-    except Exception as error:  # the workers cannot start, or never answered
-        return [f"{key}: {sample.where}: {name} could not be called{GIVEN}: {_text(error)}"]
-    if score.error is not None:
-        failed = _FAILURES.get(score.error, f"failed ({score.error})")
-        return [f"{key}: {sample.where}: {name} {failed} on this row{GIVEN}: {score.detail}"]
+def _limits(config: Config) -> dict[str, Any]:
+    """The child's limits: the reward section's."""
+    reward = config.reward
+    return {
+        "timeout_s": reward.timeout_s,
+        "load_timeout_s": reward.load_timeout_s,
+        "memory_limit_mb": reward.memory_limit_mb,
+    }
+
+
+def _score_problem(config: Config, key: str, sample: Sample, name: str, value: list) -> list[str]:
+    """The problem, if any, of the score ``name`` gave ``sample`` (its ground truth as the
+    response): ``value`` is ``[reward, error tag or None, detail]``."""
+    reward, error, detail = value
+    if error is not None:
+        failed = _FAILURES.get(error, f"failed ({error})")
+        return [f"{key}: {sample.where}: {name} {failed} on this row{GIVEN}: {detail}"]
     low, high = config.reward.min, config.reward.max
-    if not low <= score.reward <= high:
+    if not low <= reward <= high:
         return [
-            f"{key}: {sample.where}: {name} scored {score.reward:g} on this row{GIVEN}, outside "
+            f"{key}: {sample.where}: {name} scored {reward:g} on this row{GIVEN}, outside "
             f"reward.min..reward.max = {low:g}..{high:g}: the buffer would refuse such samples"
         ]
     return []
-
-
-@contextlib.contextmanager
-def _quiet(name: str) -> Iterator[None]:
-    """Silence logger ``name``: the scorer logs each failure, which the problem says."""
-    logger = logging.getLogger(name)
-    disabled, logger.disabled = logger.disabled, True
-    try:
-        yield
-    finally:
-        logger.disabled = disabled

@@ -68,14 +68,19 @@ class RoleActor:
                 probe.bind((host, 0))
             return [probe.getsockname()[1] for probe in probes]
 
-    def run(self, argv: list[str], env: dict[str, str]) -> None:
-        """``python -m asyncrl.roles ARGV`` in this process, with ``env`` added.
+    def run(self, argv: list[str], env: dict[str, str], credentials: str | None = None) -> None:
+        """``python -m asyncrl.roles ARGV`` in this process, with ``env`` added and
+        holding ``credentials`` (its role's, as JSON: never an environment variable).
 
         A SIGTERM the role does not handle itself ends it like an exception
         (its cleanup runs) and counts as a clean stop, not as a dead worker. A
         role's error is written to its log, as it would be by a process.
         """
         os.environ.update(env)
+        if credentials is not None:
+            from asyncrl.credentials import Credentials, hold
+
+            hold(Credentials.from_json(credentials))
         with StopSignals((signal.SIGTERM,), on_stop=_raise_stopped):
             from asyncrl.roles import main
 

@@ -9,7 +9,7 @@ and shuts it down at the end. Then:
    group whose bundle 0 also holds the buffer, one actor per role;
 2. the endpoints are advertised on the buffer's node, the resolved config is
    written to ``RUN_DIR/config.yaml`` for people and handed to every role
-   from the driver's memory;
+   from the driver's memory, with its role's credentials;
 3. the roles start; the driver prints progress from ``metrics.jsonl`` and
    supervises them by the local launcher's policy (:mod:`asyncrl.ray_run`,
    :mod:`asyncrl.supervision`) until the learner is done; at the end (or on
@@ -28,6 +28,7 @@ from typing import Any
 
 from asyncrl.closing import see_through
 from asyncrl.config import Config
+from asyncrl.credentials import Credentials
 from asyncrl.ray_placement import RayLaunchError
 from asyncrl.ray_plan import check_resources, local_num_cpus, local_resources
 from asyncrl.ray_run import RayRun
@@ -42,9 +43,14 @@ instances), with the token authentication Ray enables by default, minus its warn
 
 
 def launch_ray(
-    config: Config, run_dir: Path, resume_from: Path | None = None, quiet: bool = False
+    config: Config,
+    run_dir: Path,
+    resume_from: Path | None = None,
+    quiet: bool = False,
+    credentials: Credentials | None = None,
 ) -> int:
-    """Run to completion on Ray; returns the exit status for the command line."""
+    """Run to completion on Ray, each actor handed its share of ``credentials``; returns
+    the exit status for the command line."""
     from asyncrl.console import open_console
 
     problems = check_resources(config)
@@ -67,7 +73,7 @@ def launch_ray(
             # the first signal is recorded for the driver's loops to act on: an exception
             # raised by the handler inside a Ray call would surface as a SystemError
             with StopSignals() as requests:
-                run = RayRun(ray, config, run_dir, resume_from, requests)
+                run = RayRun(ray, config, run_dir, resume_from, requests, credentials)
                 return see_through(
                     console,
                     requests,

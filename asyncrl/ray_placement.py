@@ -33,6 +33,7 @@ from typing import Any
 
 from asyncrl.closing import LaunchError
 from asyncrl.config import Config
+from asyncrl.credentials import Credentials
 from asyncrl.ray_actors import RoleActor, terminate
 from asyncrl.ray_plan import advertise, generator_replicas, learner_bundles, rank_env
 from asyncrl.stop_signals import StopSignals
@@ -65,6 +66,9 @@ class Member:
     options: dict[str, Any]
     """``ray.remote`` options: resources and scheduling strategy."""
     env: dict[str, str] = field(default_factory=dict)
+    credentials: str | None = None
+    """Its role's credentials (JSON), an argument of the call that runs the role: the
+    learner's reach the learner's actors alone, and are in no file."""
     actor: Any = None
     info: dict[str, Any] | None = None
     """``ip``, ``node_id`` and ``pid``, once the actor has started."""
@@ -97,8 +101,11 @@ class RayActors:
         run_dir: Path,
         resume_from: Path | None,
         requests: StopSignals,
+        credentials: Credentials | None = None,
     ):
         self.ray = ray
+        self.credentials = credentials
+        """The run's credentials; each actor is handed its role's share."""
         self.requests = requests
         """The driver's stop signals: a wait for placement ends on one."""
         self.config = config
@@ -127,7 +134,7 @@ class RayActors:
         with contextlib.suppress(Exception):  # a scripted Ray in tests has no context
             self.driver_node = self.ray.get_runtime_context().get_node_id()
         for member in self.members:
-            member.ref = member.actor.run.remote(member.argv, member.env)
+            member.ref = member.actor.run.remote(member.argv, member.env, member.credentials)
             self.watch(member)
             if member.replica is not None:
                 member.replica.started_at = time.monotonic()

@@ -4,7 +4,8 @@
 writes the resolved config to ``RUN_DIR/config.yaml`` for people and hands it
 to every role from the driver's memory (``ASYNCRL_CONFIG``,
 :func:`asyncrl.roles.config_env`), a restarted generator's included, as under
-the local launcher. Then it supervises the roles as the local launcher does
+the local launcher, and to each its role's credentials, no other's, as an
+argument of the call that runs the role. Then it supervises the roles as the local launcher does
 (:class:`asyncrl.supervision.Supervision`): a generator whose actor dies or
 whose role stops gets a new actor after the back-off, with ``--restarts N``;
 the buffer or a learner rank stopping fails the run at once, naming the actor;
@@ -49,11 +50,18 @@ class RayRun(RayActors, Supervision):
         self.create_actors()
         self.config = self.resolve_endpoints()
         save_config(self.config, self.run_dir / "config.yaml")  # for people: no role reads it
-        handed = config_env(self.config)  # restarts reuse member.env: the config from memory
-        for member in self.members:
-            member.env |= handed
+        self.hand_out()
         console.note(f"ray: endpoints on {self.config.cluster.host}; {self.placement()}")
         self.run_roles()
+
+    def hand_out(self) -> None:
+        """Give every member the config from memory and its role's credentials, no other's
+        (docs/security.md); a restarted generator's new actor is handed the same."""
+        handed = config_env(self.config)
+        for member in self.members:
+            member.env |= handed
+            if self.credentials is not None:
+                member.credentials = self.credentials.for_role(member.role).to_json()
 
     # ---- supervise
 
@@ -116,7 +124,7 @@ class RayRun(RayActors, Supervision):
         if (error := self.error_of(ref)) is not None:
             return self.replace_later(member, f"its new actor could not start: {error}")
         member.info = self.ray.get(ref)
-        member.ref = member.actor.run.remote(member.argv, member.env)
+        member.ref = member.actor.run.remote(member.argv, member.env, member.credentials)
         self.watch(member)
         member.replica.started_at = time.monotonic()
         self.notify(

@@ -11,6 +11,11 @@ Only a role started by hand, without the variable, reads ``RUN_DIR/config.yaml``
 
 Each role reports what it is doing in ``RUN_DIR/progress/NAME.json`` from its
 start (:mod:`asyncrl.progress`), for the launcher's watchdog.
+
+A role started by the launcher reads its credentials, its role's alone, from
+the pipe the launcher handed it (:func:`asyncrl.credentials.receive_handed`)
+before anything else can; a role started by hand reads what the keys folder
+holds for it, which is never the learner's.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import yaml
 
 from asyncrl import progress
 from asyncrl.config import Config, config_from_dict
+from asyncrl.cores import pin_this_process
+from asyncrl.credentials import receive_handed
 from asyncrl.paths import replica_name
 
 ROLES = ("buffer", "learner", "generator")
@@ -76,6 +83,8 @@ def main(argv: list[str] | None = None) -> str:
         "--resume-from", type=Path, help="checkpoint directory to continue from (buffer, learner)"
     )
     args = parser.parse_args(argv)
+    receive_handed()  # read and closed at once: no child of the role inherits the pipe
+    pin_this_process()  # on the cores the launcher gave it, before torch starts a thread
     name = args.role
     if args.role == "generator":
         name = replica_name(args.pool, args.index)

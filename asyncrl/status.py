@@ -25,6 +25,7 @@ from rich.table import Table
 
 from asyncrl.config import Config, ConfigError, config_from_dict
 from asyncrl.console import figure
+from asyncrl.cores import CorePlan
 from asyncrl.messages import Status, StatusRequest
 from asyncrl.paths import latest_checkpoint
 from asyncrl.security import OBSERVER, client_context
@@ -108,6 +109,8 @@ def show(run_dir: Path, console: Console | None = None) -> int:
         age = time.time() - log.stat().st_mtime
         roles.add_row(log.stem, str(log), f"{age:.0f}s ago")
     console.print(roles)
+    if (plan := CorePlan.load(run_dir)) is not None:
+        console.print(escape(plan.summary()))
 
     pools = Table("pool", "replicas", "backend", title="generator pools (config)")
     for pool in config.generators.resolved_pools():

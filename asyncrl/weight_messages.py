@@ -25,6 +25,12 @@ WEIGHT_SYNC_STATS = frozenset(
         *(f"weights_{what}_{path}" for what in ("loads", "failures") for path in WEIGHT_PATHS),
         "weights_shm_overlaps",  # a read a write overlapped: discarded and read again
         "weights_shm_followed",  # loads that followed the learner's write
+        "weights_refused",  # versions refused by a replica's checks (asyncrl.weights.checks)
+        *(
+            f"weights_{path}_refused_{reason}"
+            for path in WEIGHT_PATHS
+            for reason in ("nonfinite", "layout")
+        ),
     }
 )
 """The counters a replica's weight-sync chain reports (``generators/weight_sync.py``),

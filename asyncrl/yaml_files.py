@@ -3,12 +3,16 @@
 PyYAML's safe loader builds no objects, but it will expand an alias bomb for
 minutes, recurse until Python gives up, read any size of file and keep the last
 of two equal keys. :func:`read_yaml_file` refuses each of these with one line
-naming the file and line, before anything is expanded.
+naming the file and line, before anything is expanded. A value PyYAML cannot
+build (an integer of more than 4300 digits, which Python refuses to read; a
+date such as ``2023-02-30``) is one line naming its line too, not a traceback.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,13 @@ MAX_YAML_DEPTH = 64
 class YamlRefused(yaml.MarkedYAMLError):
     """Valid YAML, but beyond what a config may be: too big an expansion, too deep, a duplicate
     key. Unlike a syntax error, an override's value is not then read as a plain string."""
+
+
+MAX_INT_DIGITS = sys.get_int_max_str_digits() or 4300
+"""The longest integer a YAML document may hold, in decimal digits: Python reads no longer one
+from text (``sys.get_int_max_str_digits``), nor writes one back, so hexadecimal, octal and
+binary integers are held to the same size."""
+_MAX_INT_BITS = math.floor(MAX_INT_DIGITS * math.log2(10))
 
 
 class BoundedLoader(yaml.SafeLoader):
@@ -80,6 +91,32 @@ class BoundedLoader(yaml.SafeLoader):
     def _refuse(problem: str, event: yaml.Event) -> YamlRefused:
         return YamlRefused(problem=problem, problem_mark=event.start_mark)
 
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        """PyYAML's, with a value it cannot build (``int()`` or ``datetime()`` refusing it)
+        refused at the value's line instead of escaping as a bare ValueError."""
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, OverflowError) as error:
+            raise YamlRefused(
+                problem=f"cannot read this value: {error} (quote it to keep it as text)",
+                problem_mark=node.start_mark,
+            ) from None
+
+    def construct_bounded_int(self, node: yaml.ScalarNode) -> int:
+        """An integer of at most :data:`MAX_INT_DIGITS` digits, in any base."""
+        digits = sum(character.isalnum() for character in str(node.value))
+        value = None if digits > MAX_INT_DIGITS else self.construct_yaml_int(node)
+        if value is None or abs(value).bit_length() > _MAX_INT_BITS:
+            raise YamlRefused(
+                problem=f"an integer of more than {MAX_INT_DIGITS} digits; no config value "
+                "needs one (Python reads no longer integer from text)",
+                problem_mark=node.start_mark,
+            )
+        return value
+
+
+BoundedLoader.add_constructor("tag:yaml.org,2002:int", BoundedLoader.construct_bounded_int)
+
 
 def parse_yaml(text: str) -> tuple[Any, dict[tuple[str, ...], int]]:
     """The data of one YAML document, loaded safely within the bounds above, and the line of
@@ -90,10 +127,22 @@ def parse_yaml(text: str) -> tuple[Any, dict[tuple[str, ...], int]]:
         lines: dict[tuple[str, ...], int] = {}
         if node is not None:
             _key_lines(node, (), lines)  # before construction, which flattens merge keys
-        data = loader.construct_document(node) if node is not None else None
+        try:
+            data = loader.construct_document(node) if node is not None else None
+        except YamlRefused as error:
+            _name_the_key(error, lines)
+            raise
     finally:
         loader.dispose()
     return data, lines
+
+
+def _name_the_key(error: YamlRefused, lines: dict[tuple[str, ...], int]) -> None:
+    """Start the problem of a value that cannot be built with its key (``run.seed: ...``)."""
+    line = error.problem_mark.line + 1
+    keys = [key for key, at in lines.items() if at == line]
+    if keys:
+        error.problem = f"{'.'.join(max(keys, key=len))}: {error.problem}"
 
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"

@@ -11,13 +11,15 @@ Processes, all on 127.0.0.1:
 
 - buffer: the production service, started as ``asyncrl launch`` starts it
   (``python -m asyncrl.roles buffer RUN_DIR`` with a resolved ``config.yaml``
-  holding ``cluster.keys_dir``, whose per-run secret ``provision_run_secret``
-  wrote, as the launcher does): it authenticates every peer and validates
-  every message (``asyncrl.buffer.validation``);
+  holding ``cluster.keys_dir``, and handed its credentials over a pipe by
+  ``provision_run`` and ``handed_over``, as the launcher does): it
+  authenticates every peer and validates every message
+  (``asyncrl.buffer.validation``);
 - echo: a bare pyzmq ROUTER that answers each message with the bytes of the
   buffer's ``Ack``: the ceiling for the same messages over the same transport;
 - sender: a separate process (multiprocessing spawn) that speaks the real
-  protocol with the run's credentials (``client_context``): as a generator
+  protocol with the learner's and the generators' credentials (``client_context``,
+  both held by it as the launcher would hand them to each): as a generator
   (role ``generator``, one incarnation from ``new_incarnation``) it asks for
   work (``WorkRequest``), sends one ``Trajectories`` message per group or per
   trajectory for the granted groups (encoded by ``asyncrl.messages.encode``, as
@@ -76,6 +78,7 @@ import zmq
 
 from asyncrl.buffer.validation import model_vocab_size
 from asyncrl.config import Config, load_config, save_config
+from asyncrl.credentials import Credentials, handed_over, hold
 from asyncrl.messages import (
     Ack,
     BatchRequest,
@@ -88,7 +91,7 @@ from asyncrl.messages import (
     encode,
     new_incarnation,
 )
-from asyncrl.security import GENERATOR, LEARNER, client_context, provision_run_secret
+from asyncrl.security import GENERATOR, LEARNER, client_context, provision_run
 from asyncrl.tasks import work_item_factory
 from asyncrl.transport import client_socket, free_port, tcp
 
@@ -368,9 +371,15 @@ class Learner:
 
 
 def sender_main(
-    config: Config, buffer_endpoint: str, echo_endpoint: str, plan: dict, results
+    config: Config,
+    buffer_endpoint: str,
+    echo_endpoint: str,
+    plan: dict,
+    results,
+    credentials: Credentials,
 ) -> None:
     """The sender process: every socket measurement; results go back through ``results``."""
+    hold(credentials)  # it plays a generator and the learner
     try:
         results.put(("ok", run_sender(config, buffer_endpoint, echo_endpoint, plan)))
     except BaseException as error:
@@ -567,7 +576,7 @@ def in_process_batches(config: Config, vocab: int, levels: list[int], reps: int)
 # orchestration
 
 
-def make_config(run_dir: Path) -> Config:
+def make_config(run_dir: Path) -> tuple[Config, Credentials]:
     """The quickstart's buffer, refusing nothing, with the run's secret (as ``asyncrl launch``
     writes it) in a ``config.yaml`` the buffer reads when started by hand.
 
@@ -596,17 +605,24 @@ def make_config(run_dir: Path) -> Config:
             "tracking.aim=false",
         ],
     )
-    config = provision_run_secret(config, run_dir)  # RUN_DIR/keys/run.secret, cluster.keys_dir
+    config, credentials = provision_run(config, run_dir)  # cluster.keys_dir, as at launch
     save_config(config, run_dir / "config.yaml")
-    return config
+    return config, credentials
 
 
 @contextlib.contextmanager
-def buffer_process(run_dir: Path) -> Iterator[subprocess.Popen]:
+def buffer_process(run_dir: Path, credentials: Credentials) -> Iterator[subprocess.Popen]:
     log = (run_dir / "buffer.log").open("w")
     env = os.environ | {"ASYNCRL_LOG_LEVEL": "WARNING"}
     command = [sys.executable, "-m", "asyncrl.roles", "buffer", str(run_dir)]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    with handed_over(credentials.for_role("buffer")) as handover:
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env | handover.env,
+            pass_fds=handover.fds,
+        )
     try:
         yield process
     finally:
@@ -637,7 +653,7 @@ def run(quick: bool) -> dict:
     spawn = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-") as tmp:
         run_dir = Path(tmp)
-        config = make_config(run_dir)
+        config, credentials = make_config(run_dir)
         plan["vocab_size"] = vocab = model_vocab_size(config)
         assert vocab is not None, "the policy's vocabulary size is unknown"
         buffer_endpoint = tcp("127.0.0.1", config.cluster.buffer_port)
@@ -646,10 +662,10 @@ def run(quick: bool) -> dict:
         results = spawn.Queue()
         sender = spawn.Process(
             target=sender_main,
-            args=(config, buffer_endpoint, echo_endpoint, plan, results),
+            args=(config, buffer_endpoint, echo_endpoint, plan, results, credentials),
             daemon=True,
         )
-        with buffer_process(run_dir) as buffer:
+        with buffer_process(run_dir, credentials) as buffer:
             echo.start()
             try:
                 sender.start()

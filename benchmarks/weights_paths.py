@@ -261,20 +261,23 @@ class Sink:
             self.sink = ShmPublisher(self.zmq, ShmWriter(self.run_dir))
             self.where = str(self.run_dir)
         if path == "collective":
+            from asyncrl.signing import group_key_pair
             from asyncrl.weights.collective_sender import CollectiveSender, WithBroadcast
 
-            key = secrets.token_bytes(32)
+            learner_key, replica_key = group_key_pair(
+                secrets.token_bytes(32), secrets.token_bytes(32)
+            )
             sender = CollectiveSender(
                 self.zmq.snapshots,
                 "127.0.0.1",
                 0,
-                key,
+                learner_key,
                 bucket_bytes=bucket_bytes,
                 deadline_s=600.0,
                 run_dir=self.run_dir,
             )
             self.sink = WithBroadcast(self.sink, sender)
-            self.where = (tuple(sender.address), key, bucket_bytes)
+            self.where = (tuple(sender.address), replica_key, bucket_bytes)
 
     def publish(self, params: dict[str, torch.Tensor], version: int) -> float:
         return self.sink.publish(iter(params.items()), version)

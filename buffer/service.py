@@ -30,7 +30,9 @@ keeps nothing alive, hands nothing back, delivers nothing. Only a ``Join``
 replaces it (a process restarted under the same id): the old one's unfinished
 groups are requeued at once (``buffer_generators_replaced``). Samples are
 checked whole before any is stored (:mod:`asyncrl.buffer.validation`), and the
-learner's version may only move by one (``bad_version``).
+learner's version may only move by one (``bad_version``). Before any of that, the
+socket caps each frame, the connections in their handshake and the bytes a connection
+holds unread (:mod:`asyncrl.connection_guard`, limits from :mod:`asyncrl.message_limits`).
 
 A ``WorkRequest`` with ``wait_s > 0`` that finds nothing to hand out is held
 (:mod:`asyncrl.buffer.held`) rather than answered, and tried again whenever
@@ -79,6 +81,8 @@ from asyncrl.buffer.validation import (
     sender_of,
 )
 from asyncrl.config import Config
+from asyncrl.connection_guard import ConnectionGuard
+from asyncrl.message_limits import BUFFER_HEADER_BYTES, buffer_guard_limits
 from asyncrl.messages import (
     Ack,
     BatchRequest,
@@ -123,9 +127,10 @@ sends without reading its replies fills its own queue: later replies to it are d
 at once, never waited for (``buffer_rejected_unroutable_reply``), and once its inbound
 queue is full ZeroMQ stops reading its connection. Either way the buffer's memory for
 one peer stays bounded by this many messages."""
-MAX_HEADER_BYTES = 1 << 20
+MAX_HEADER_BYTES = BUFFER_HEADER_BYTES
 """The largest header frame the buffer decodes (``oversized`` beyond): a generator's
-message of a thousand samples has a header of about 150 KB."""
+message of its most samples (``MAX_SAMPLES_PER_MESSAGE``) has a header of about 100 KB.
+Every frame is capped by the socket first (:mod:`asyncrl.message_limits`)."""
 MAX_IN_FLIGHT_FACTOR = 4
 """A generator may hold at most this many times the largest pool's
 ``generators.max_active_samples`` in flight (samples handed to it, not yet delivered):
@@ -165,6 +170,8 @@ class BufferService:
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.setsockopt(zmq.SNDHWM, ROUTER_HWM)
         self.socket.setsockopt(zmq.RCVHWM, ROUTER_HWM)
+        self.guard: ConnectionGuard | None = None
+        """Bounds frames, connections in handshake and bytes held, while serving."""
         self.rejected: Counter[str] = Counter()
         self.log_rejection = RejectionLog()
         self.incarnations = Incarnations(store.last_seen)
@@ -206,6 +213,8 @@ class BufferService:
         try:
             await self._serve()
         finally:
+            if self.guard is not None:
+                self.guard.stop()
             if auth is not None:
                 auth.stop()  # before term(), which waits for the ZAP handler's sockets
         self.socket.close(linger=STOP_LINGER_MS)
@@ -213,6 +222,7 @@ class BufferService:
 
     async def _serve(self) -> None:
         self.skips.start(self.store.skipped)
+        self.guard = ConnectionGuard(self.socket, buffer_guard_limits(self.config), "buffer")
         self.socket.bind(self.endpoint)
         log.info("buffer serving on %s", self.endpoint)
         try:
@@ -234,7 +244,10 @@ class BufferService:
         return f"{self.store.held_samples()} ready samples, {len(self.store.last_seen)} generators"
 
     async def _receive(self) -> None:
-        identity, *frames = await self.socket.recv_multipart(copy=False)
+        message = await self.socket.recv_multipart(copy=False)
+        assert self.guard is not None  # made before the socket binds
+        self.guard.received(message)
+        identity, *frames = message
         try:
             role = peer_role(frames[0] if frames else identity)
             if self.config.cluster.auth and role is None:
@@ -404,6 +417,8 @@ class BufferService:
         stats = self.store.stats(now)
         stats |= service_metrics(self.rejected, self.counters, len(self.held))
         stats |= generators_summary(self.generator_stats)
+        if self.guard is not None:
+            stats |= {f"buffer_connections_{k}": float(v) for k, v in self.guard.stats().items()}
         return stats | busy_fraction(self.generator_stats, self.store.last_seen)
 
     def _status(self, now: float) -> Status:

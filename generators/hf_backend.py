@@ -12,11 +12,17 @@ top-p are applied before the log-softmax, so with top-k/top-p on, the record
 is that of the truncated distribution the token was really drawn from.
 
 Within a chunk, ``generate`` runs the whole batch (left-padded) with its KV
-cache, one forward per token after the prefill. Stop strings are matched on the
+cache, one forward per token after the prefill. Rows whose prefix is the same
+(a group's samples in their first chunk: the same prompt) are prefilled once,
+their cache copied to each (:func:`shared_prefill`): with 8 samples a prompt,
+one eighth of the prefill. Stop strings are matched on the
 decoded response (:class:`~asyncrl.generators.backend.StopStrings`); the
 sequence ends at the token that completes one and what ``generate`` sampled
 after it in the same chunk is dropped, log-probs with it. ``abort`` from another
 thread ends the chosen rows at the next token (a stopping criterion).
+
+A pool that asks for a GPU (``generators.num_gpus`` > 0; under Ray, the GPU Ray gave
+the replica) generates on it: the model moves there and each chunk's inputs with it.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from asyncrl.config import GeneratorsConfig
 from asyncrl.generators.backend import (
@@ -60,11 +66,54 @@ class _AbortRows(StoppingCriteria):
         return done
 
 
+def shared_prefill(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> DynamicCache | None:
+    """The KV cache of every row's prefix but its last token, each distinct prefix
+    computed once; None when no two rows are the same (``generate`` then prefills).
+
+    The positions are those ``generate`` gives left-padded rows (the count of real tokens
+    before each), so the tokens it samples next see the cache it would have made.
+    """
+    rows = [tuple(row) for row in input_ids.tolist()]
+    distinct: dict[tuple[int, ...], int] = {}
+    which = [distinct.setdefault(row, len(distinct)) for row in rows]
+    if len(distinct) == len(rows) or input_ids.shape[1] < 2:
+        return None
+    firsts = [which.index(index) for index in range(len(distinct))]
+    mask = attention_mask[firsts, :-1]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    decoder = model.get_decoder()  # the layers without the LM head: no logits are needed
+    decoder(
+        input_ids=input_ids[firsts, :-1],
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+    )
+    cache.reorder_cache(torch.tensor(which, device=input_ids.device))  # [distinct] -> [rows]
+    return cache
+
+
+def engine_device(sampling: GeneratorsConfig) -> torch.device:
+    """Where a replica generates: CUDA when its pool asks for a GPU, else the CPU."""
+    if sampling.num_gpus <= 0:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"generators.num_gpus={sampling.num_gpus:g} asks for a GPU, but torch sees no "
+            "CUDA device; set generators.num_gpus=0 to generate on the CPU"
+        )
+    return torch.device("cuda")
+
+
 class HFBackend:
     """The transformers engine: ``generate`` on the policy module held in this process."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, sampling: GeneratorsConfig):
-        self.model = model.eval()
+        self.device = engine_device(sampling)
+        self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.version = 0
@@ -108,6 +157,8 @@ class HFBackend:
         """The model's tensors as one flat buffer per bucket (see Backend): the collective
         path receives into them, with no copy after the transfer."""
         self._receiving_since = time.perf_counter()
+        if self.device.type != "cpu":  # the broadcast arrives in host buffers: load from them
+            return None
         self._homes = module_buffers(self.model, buckets, self._homes)
         return self._homes
 
@@ -140,6 +191,7 @@ class HFBackend:
             output = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
+                past_key_values=shared_prefill(self.model, input_ids, attention_mask),
                 generation_config=self._generation_config(steps),
                 stopping_criteria=StoppingCriteriaList([aborts]),
             )
@@ -147,8 +199,14 @@ class HFBackend:
             with self._lock:
                 self._in_chunk, self._aborted = set(), frozenset()
         new_tokens = output.sequences[:, input_ids.shape[1] :]  # [B, steps']
-        scores = torch.stack(output.scores, dim=1).float()  # [B, steps', V]
-        logprobs = scores.log_softmax(-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        # log-softmax at the sampled token, step by step: no [B, steps', V] copy is made
+        logprobs = torch.stack(
+            [
+                step.float().gather(-1, new_tokens[:, t, None])[:, 0] - step.float().logsumexp(-1)
+                for t, step in enumerate(output.scores)  # each [B, V]
+            ],
+            dim=1,
+        )  # [B, steps']
         stop = StopStrings(self.tokenizer, self.sampling.stop)
         for row, rollout in enumerate(active):
             kept = aborts.kept.get(row, new_tokens.shape[1])
@@ -184,4 +242,4 @@ class HFBackend:
         for row, sequence in enumerate(sequences):
             ids[row, width - len(sequence) :] = torch.tensor(sequence)
             mask[row, width - len(sequence) :] = 1
-        return ids, mask
+        return ids.to(self.device), mask.to(self.device)

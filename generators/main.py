@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import torch
 
 from asyncrl.config import Config
+from asyncrl.cores import torch_threads
 from asyncrl.envs.formatting import TemplateFormatError, TemplateFormatter, build_formatter
 from asyncrl.generators.engines import build_backend
 from asyncrl.generators.liveness import HeartbeatThread
@@ -134,7 +135,7 @@ def serve(
     ``learner_host``: where the collective path's group is (with ``weights.transport:
     collective``)."""
     config = pool_config(config, pool)
-    torch.set_num_threads(config.generators.num_threads)
+    torch.set_num_threads(torch_threads(config.generators.num_threads))
     model, tokenizer = build_policy(config.model, config.run.seed)
     if config.environment is not None:  # a model turn ends at the turn marker
         end_of_turn = [build_formatter(config.environment.formatter, tokenizer).end_of_turn]

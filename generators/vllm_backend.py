@@ -70,6 +70,8 @@ import torch
 from asyncrl.config import GeneratorsConfig
 from asyncrl.generators.backend import Rollout, StopStrings, append_tokens, check_state_dict
 from asyncrl.models import tied_names
+from asyncrl.weights.collective_buckets import Spec
+from asyncrl.weights.layout import TORCH_DTYPES
 
 log = logging.getLogger("asyncrl.generators.vllm")
 
@@ -134,6 +136,7 @@ class VLLMBackend:
         sampling: GeneratorsConfig,
         *,
         parameter_names: set[str],
+        parameter_specs: Mapping[str, Spec] | None = None,
         tied: tuple[str, str] | None = None,
         dtype: str = "float32",
         seed: int = 0,
@@ -144,7 +147,9 @@ class VLLMBackend:
         """Start an engine on ``model_dir`` (written by :func:`export_model`).
 
         ``parameter_names`` are the names a state dict for ``load_weights``
-        must have (the HF model's); ``tied`` names the embedding and the LM head
+        must have (the HF model's), ``parameter_specs`` their shapes and dtypes where
+        known (what a replica checks a version against before loading it,
+        :mod:`asyncrl.weights.checks`); ``tied`` names the embedding and the LM head
         of a policy that ties them (the head may then be omitted, and is sent
         to vLLM as a copy of the embedding).
         ``engine_kwargs`` go to ``vllm.LLM`` as they are (tests: ``block_size``).
@@ -166,6 +171,7 @@ class VLLMBackend:
         self.version = 0
         self.last_load_s = 0.0
         self.parameter_names = set(parameter_names)
+        self.parameter_specs = None if parameter_specs is None else dict(parameter_specs)
         self.tied = tied
         self._request_ids = itertools.count()
         self._lock = threading.Lock()
@@ -206,6 +212,10 @@ class VLLMBackend:
             tokenizer,
             sampling,
             parameter_names=set(model.state_dict()),
+            parameter_specs={
+                name: Spec(tuple(t.shape), TORCH_DTYPES.get(t.dtype))
+                for name, t in model.state_dict().items()
+            },
             tied=tied_names(model),
             dtype=dtype,
             seed=seed,

@@ -18,6 +18,11 @@ in-memory loads, called through ``collective_rpc`` on the collective path:
   verdict: a version the learner rewrote while it was sent is a partial load;
 - ``asyncrl_leave_group``: drop the group (a timed-out group is not reusable).
 
+Each bucket is checked before the reload gets it (:func:`asyncrl.weights.checks.nonfinite`):
+a bucket holding a NaN or an infinity is not loaded, nor any after it (they are
+received and dropped, so the group stays in step), and the load is refused
+(``WeightsRefused``, ``partial`` when an earlier bucket went in).
+
 In place means a transfer that fails midway leaves the layers it reached
 loaded with the new version and the rest with the old: the worker stops
 feeding the reload (which then restores the untouched layers and finishes),
@@ -36,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.generators.vllm_backend import WeightLoaderExtension
+from asyncrl.weights.checks import NONFINITE, WeightsRefused, nonfinite
 from asyncrl.weights.collective import (
     GroupAddress,
     broadcast,
@@ -82,18 +88,24 @@ class CollectiveWeightExtension(WeightLoaderExtension):
 
     def asyncrl_receive(self, offer_bytes: bytes, tied: list[str] | None, timeout_s: float) -> dict:
         """Receive the offer's buckets into the running model, then the verdict; how far it
-        got, and why not further: ``{"buckets": received, "error": "", "timed_out": False,
-        "overwritten": False}``."""
+        got, and why not further: ``{"buckets": received, "fed": loaded, "error": "",
+        "timed_out": False, "overwritten": False, "refused": ""}`` (``refused``: the first
+        bucket's problem that kept it and the rest from the reload)."""
         offer = unseal(offer_bytes, None, _IN_PROCESS, Offer)
         group = getattr(self, "_asyncrl_group", None)
         deadline = time.monotonic() + timeout_s
         device = getattr(self, "device", torch.device("cpu"))
         names = {tensor.name for bucket in offer.buckets for tensor in bucket.tensors}
         head = tied[1] if tied and tied[1] not in names else None
-        report = {"buckets": 0, "error": "", "timed_out": False, "overwritten": False}
+        report = {
+            "buckets": 0, "fed": 0, "error": "", "timed_out": False, "overwritten": False,
+            "refused": "",
+        }  # fmt: skip
 
         def arriving():
-            """Each bucket's tensors as the bucket arrives; on a failure, stop feeding."""
+            """Each bucket's tensors as the bucket arrives, once they are all finite; on a
+            failure, stop feeding; after a refused bucket, receive the rest unfed (the group
+            stays in step with the learner)."""
             try:
                 if group is None:
                     raise RuntimeError("this worker is in no weight-update group")
@@ -102,7 +114,13 @@ class CollectiveWeightExtension(WeightLoaderExtension):
                     for start, end in piece_ranges(bucket):
                         broadcast(group, flat[start:end], deadline - time.monotonic())
                     report["buckets"] += 1
-                    for name, view in tensor_views(bucket, flat).items():
+                    views = tensor_views(bucket, flat)
+                    if not report["refused"]:
+                        report["refused"] = nonfinite(views.items()) or ""
+                    if report["refused"]:
+                        continue
+                    report["fed"] += 1
+                    for name, view in views.items():
                         yield name, view
                         if head is not None and name == tied[0]:
                             yield head, view  # vLLM holds the tied head untied (vllm_backend)
@@ -149,6 +167,13 @@ class VLLMInPlace:
             raise WeightTransferError(
                 f"collective: v{offer.version} into vLLM failed: {error}", partial=True
             ) from error
+        refused = [report for report in reports if report["refused"] and not report["error"]]
+        if refused:
+            raise WeightsRefused(
+                f"collective v{offer.version}: refused: {refused[0]['refused']}",
+                reason=NONFINITE,
+                partial=any(report["fed"] for report in reports),
+            )
         failed = [report for report in reports if report["error"]]
         if failed:
             reached = max(report["buckets"] for report in reports)

@@ -20,13 +20,22 @@ cannot vouch for, and a failing learner is not silently fallen behind. A
 path's claim is checked against the engine: tokens carry ``backend.version``,
 so it must be the version the path says it loaded.
 
+A version a path refused (:class:`~asyncrl.weights.checks.WeightsRefused`: its
+layout is not the engine's, or a value is not finite) is not a broken path: the
+next path is tried for it all the same, and when none loads it and the engine
+still holds a whole version, the replica keeps serving that one (it can vouch
+for it) instead of exiting: a bad slot never makes it crash-loop. The path
+remembers what it refused and does not check it again; a later version is
+taken as usual.
+
 Counters (in the replica's stats, so ``generators_<counter>_total`` in the
 run's metrics): ``weights_transfer_failures``, ``weights_deadline_missed``,
 ``weights_fallbacks``, per path ``weights_failures_<path>`` and, when the
 chain has more than one path, ``weights_loads_<path>``; from the shm path,
 ``weights_shm_overlaps`` (reads a write overlapped, read again) and
-``weights_shm_followed`` (loads that followed the learner's write): every name is in
-:data:`asyncrl.weight_messages.WEIGHT_SYNC_STATS`.
+``weights_shm_followed`` (loads that followed the learner's write); per path and reason
+``weights_<path>_refused_<nonfinite|layout>`` and in all ``weights_refused`` (versions
+refused by the checks): every name is in :data:`asyncrl.weight_messages.WEIGHT_SYNC_STATS`.
 """
 
 from __future__ import annotations
@@ -35,8 +44,10 @@ import logging
 import time
 from collections import Counter
 
+from asyncrl.connection_guard import RateLimitedLog
 from asyncrl.generators.backend import Backend
 from asyncrl.weight_messages import WEIGHT_SYNC_STATS
+from asyncrl.weights.checks import REFUSAL_LOG_INTERVAL_S, WeightsRefused, since
 from asyncrl.weights.source import Loaded, PathUnavailable, WeightSource, WeightTransferError
 
 log = logging.getLogger("asyncrl.generator")
@@ -53,12 +64,13 @@ class WeightSync:
         self.replica = replica
         self.counters: Counter[str] = Counter()
         self._unavailable: set[str] = set()  # paths whose unavailability was logged
+        self._kept = RateLimitedLog(REFUSAL_LOG_INTERVAL_S)
 
     def sync(self, backend: Backend) -> Loaded | None:
         """Load a newer version if any path has one; raise WeightTransferError when every
         path failed (``partial`` when the engine may hold a mix)."""
         have = backend.version
-        partial = False
+        partial = refused = False
         failure: WeightTransferError | None = None
         failed_path = ""
         for source in self.sources:
@@ -77,6 +89,10 @@ class WeightSync:
                         "%s: weight path %s is not available: %s", self.replica, source.name, error
                     )
                 continue
+            except WeightsRefused as error:  # counted and logged by the path
+                refused, partial = True, partial or error.partial
+                failure, failed_path = error, source.name
+                continue
             except WeightTransferError as error:
                 self._count_failure(source.name, error, have)
                 partial = partial or error.partial
@@ -94,6 +110,16 @@ class WeightSync:
                 self.counters[f"weights_loads_{loaded.path}"] += 1
             return loaded
         if failure is None:  # every path unavailable: only possible without zmq
+            return None
+        if refused and not partial:  # a bad version, whole weights held: serve those
+            if count := self._kept.due("kept"):
+                log.warning(
+                    "%s: no path had a version it could load; serving v%d%s; last: %s",
+                    self.replica,
+                    have,
+                    since(count),
+                    failure,
+                )
             return None
         raise WeightTransferError(
             f"{self.replica}: every weight path failed (holding v{have}"
@@ -146,6 +172,8 @@ class WeightSync:
                 key = f"weights_{source.name}_{name}"
                 if key in WEIGHT_SYNC_STATS:
                     counts[key] += value
+                if name.startswith("refused_"):
+                    counts["weights_refused"] += value
         return {key: float(value) for key, value in counts.items() if value}
 
     def close(self) -> None:

@@ -48,6 +48,7 @@ from asyncrl.config import Config
 from asyncrl.generators.backend import Backend, Rollout
 from asyncrl.generators.episodes import Episodes
 from asyncrl.generators.weight_sync import WeightSync
+from asyncrl.message_limits import split_for_sending
 from asyncrl.messages import (
     NOT_EVAL,
     Ack,
@@ -369,7 +370,8 @@ class GeneratorReplica:
 
     def send(self, finished: list[Rollout], wait_s: float = SCORE_WAIT_S) -> None:
         """Ask for the rewards of ``finished``; send every sample whose reward is in after
-        at most ``wait_s`` (sooner once all are)."""
+        at most ``wait_s`` (sooner once all are), in messages that fit the buffer's frame cap
+        (:func:`~asyncrl.message_limits.split_for_sending`)."""
         decode = self.backend.tokenizer.decode
         samples = []
         for r in finished:
@@ -390,15 +392,17 @@ class GeneratorReplica:
             return
         self.scoring = [pair for pair, ready in zip(self.scoring, done, strict=True) if not ready]
         rollouts = [r for r, _ in scored]
-        metas, arrays = self.package(rollouts, [future.result() for _, future in scored])
-        # the replica's own counters ride along, so the run's metrics show them
-        self.stats["wall_s"] = time.monotonic() - self.started_at
-        stats = {key: float(value) for key, value in self.stats.items()}
-        trajectories = Trajectories(metas, stats, self.pool, self.incarnation)
-        self.buffer.send(trajectories, arrays)
-        ack, _ = self.reply()
-        assert isinstance(ack, Ack), ack
-        self.stats["samples_sent"] += len(rollouts)
+        scores = [future.result() for _, future in scored]
+        lengths = [(len(r.prompt_ids), len(r.response_ids)) for r in rollouts]
+        for part in split_for_sending(lengths):  # each message within the buffer's frame cap
+            metas, arrays = self.package(rollouts[part], scores[part])
+            # the replica's own counters ride along, so the run's metrics show them
+            self.stats["wall_s"] = time.monotonic() - self.started_at
+            stats = {key: float(value) for key, value in self.stats.items()}
+            self.buffer.send(Trajectories(metas, stats, self.pool, self.incarnation), arrays)
+            ack, _ = self.reply()
+            assert isinstance(ack, Ack), ack
+            self.stats["samples_sent"] += len(metas)
 
     def package(
         self, rollouts: list[Rollout], scores: list[Score]

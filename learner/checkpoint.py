@@ -2,7 +2,8 @@
 
 A checkpoint is a directory ``RUN_DIR/checkpoints/step-000040`` holding:
 
-- the DCP shards of the model and optimizer (each rank writes its own),
+- the DCP shards of the model and optimizer (each rank writes its own; with LoRA only
+  the adapters and their optimizer state: the frozen base comes from the model itself),
 - ``trainer.json``: step, version, scheduler state,
 - ``rng-<rank>.pt``: each rank's RNG state,
 - ``buffer.json``: the buffer's dataset cursor, unfinished groups and the prompts it
@@ -45,7 +46,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 from asyncrl.paths import (
@@ -61,6 +66,9 @@ log = logging.getLogger("asyncrl.learner")
 TRAINER_STATE = "trainer.json"
 NAMES_LOGGED = 5
 """Non-finite tensors named in the refusal, at most."""
+TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+"""Checkpoint what trains: with LoRA the adapters, not the frozen base (rebuilt from
+``model.name_or_path`` on resume); without, every parameter."""
 WRITTEN_BY_LEARNER = "learner"
 """``written_by`` of a ``buffer.json`` the learner wrote in the buffer's stead."""
 
@@ -124,11 +132,24 @@ def _write(
     trainer_state: dict,
     rank: int,
 ) -> None:
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = trained_state(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
     torch.save(_rng_state(), path / f"rng-{rank}.pt")
     if rank == 0:
         (path / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
+
+
+def trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The model's and optimizer's state dicts without frozen parameters, a frozen one
+    tied under a second name too (``lm_head.weight`` as the embedding, which
+    ``ignore_frozen_params`` keeps)."""
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINED_ONLY)
+    frozen = {
+        name
+        for name, parameter in model.named_parameters(remove_duplicate=False)
+        if not parameter.requires_grad
+    }
+    return {k: v for k, v in model_state.items() if k not in frozen}, optimizer_state
 
 
 def _reason(error: BaseException) -> str:
@@ -336,11 +357,17 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, r
     """Restore model, optimizer and this rank's RNG in place; returns the trainer state."""
     if not (path / COMPLETE).exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE} file)")
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = trained_state(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        # every key of the state was read by dcp.load (it raises on one missing); what
+        # strict would add is a complaint about the frozen ones left out on purpose
+        options=StateDictOptions(ignore_frozen_params=True, strict=False),
     )
     rng_file = path / f"rng-{rank}.pt"
     if rng_file.exists():  # absent when resuming with more ranks than were saved

@@ -57,7 +57,8 @@ def pack(indices: list[int], lengths: list[int], max_tokens: int) -> list[list[i
     micro_batches: list[list[int]] = []
     current: list[int] = []
     for index in sorted(indices, key=lambda i: (-lengths[i], i)):
-        if current and padded_tokens([*current, index], lengths) > max_tokens:
+        # longest first: the first row is the longest, so the padded size is rows x its length
+        if current and (len(current) + 1) * lengths[current[0]] > max_tokens:
             micro_batches.append(current)
             current = []
         current.append(index)

@@ -12,11 +12,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from asyncrl import lora
 from asyncrl.config import Config
 from asyncrl.learner import checkpoint, sharding
 from asyncrl.learner.algorithms import needs_of
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.distributed import Ranks
+from asyncrl.learner.reference import Reference
 from asyncrl.learner.update import Update
 from asyncrl.models import DTYPES, build_policy, empty_like, tied_names
 
@@ -55,19 +57,25 @@ class Learner:
         self.tied_head = {tied[1]} if tied else set()
         """An LM head tied to the embedding: published once, as the embedding (every
         engine ties it back), so each sync moves its bytes once, not twice."""
+        self.lora = config.model.lora
+        if self.lora is not None:
+            policy = lora.with_adapters(policy, self.lora, config.run.seed)
         model: nn.Module = policy
         if needs.values:
             with torch.random.fork_rng():
                 model = sharding.PolicyWithValueHead(policy)
         self.model = sharding.shard(model, config.learner, ranks)
-        self.publish_prefix = "policy." if needs.values else ""
+        self.publish_prefix = ("policy." if needs.values else "") + (
+            lora.PEFT_PREFIX if self.lora is not None else ""
+        )
         self.reference = None
         if needs.reference:
-            reference, _ = build_policy(config.model, config.run.seed)
-            reference.requires_grad_(False)
-            self.reference = sharding.shard(reference, config.learner, ranks)
+            self.reference = Reference.for_policy(self.model, config, ranks)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.learner.lr, weight_decay=config.learner.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad],  # LoRA: the adapters
+            lr=config.learner.lr,
+            weight_decay=config.learner.weight_decay,
+            fused=True,  # one kernel over every tensor: on CPU the default loops per tensor
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(config))
         self.update = Update(self.model, self.optimizer, config, ranks, self.reference)
@@ -99,12 +107,17 @@ class Learner:
         return metrics
 
     def full_tensors(self):
-        """The policy's full tensors, one at a time (a collective: every rank drains it)."""
-        return sharding.full_tensors(self.model, self.publish_prefix)
+        """The policy's full tensors by their Hugging Face names, one at a time, LoRA
+        adapters folded into their layers' weights (a collective: every rank drains it)."""
+        return self._plain(sharding.full_tensors(self.model, self.publish_prefix))
 
     def published_tensors(self):
         """:meth:`full_tensors` as the generators get them: a tied LM head left out."""
-        return sharding.full_tensors(self.model, self.publish_prefix, skip=self.tied_head)
+        tensors = sharding.full_tensors(self.model, self.publish_prefix, skip=self.tied_head)
+        return self._plain(tensors)
+
+    def _plain(self, tensors):
+        return tensors if self.lora is None else lora.merged_tensors(tensors, self.lora)
 
     def save_checkpoint(self, path: Path) -> bool:
         """Write this rank's part; False (on every rank) if refused as not finite."""
@@ -128,13 +141,18 @@ class Learner:
             self.update.kl_control.load_state_dict(state["kl_controller"])
 
     def save_pretrained(self, path: Path) -> None:
-        """The policy in Hugging Face format (rank 0 writes; every rank must call)."""
-        state = dict(self.full_tensors())
+        """The policy in Hugging Face format, LoRA adapters folded in, and with LoRA the
+        adapter alone in ``path/adapter`` (peft's format); rank 0 writes, every rank
+        must call."""
+        state = dict(sharding.full_tensors(self.model, self.publish_prefix))
         if self.ranks.is_main:
             policy = empty_like(self.policy_config, DTYPES[self.config.model.dtype])
-            policy.load_state_dict(state)
+            policy.load_state_dict(dict(self._plain(state.items())))
             try:
                 policy.save_pretrained(path)
                 self.tokenizer.save_pretrained(path)
+                if self.lora is not None:  # last: peft wraps ``policy`` in place
+                    adapter = path / lora.ADAPTER_DIR
+                    lora.save_adapter(state, policy, self.config.model, adapter)
             except OSError as error:
                 raise checkpoint.CheckpointWriteError(path, error, "the final policy") from error

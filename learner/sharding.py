@@ -36,9 +36,12 @@ class PolicyWithValueHead(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, attention_mask):
+    def forward(self, input_ids, attention_mask, position_ids=None):
         out = self.policy(
-            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            output_hidden_states=True,
         )
         hidden = out.hidden_states[-1]
         return out.logits, self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)

@@ -62,6 +62,7 @@ import torch
 
 from asyncrl import progress
 from asyncrl.config import Config
+from asyncrl.cores import torch_threads
 from asyncrl.learner import checkpoint, distributed
 from asyncrl.learner.batch_source import BatchSource, from_rank_0
 from asyncrl.learner.buffer_client import BufferClient
@@ -70,6 +71,7 @@ from asyncrl.learner.evaluator import Evaluator, NoEval
 from asyncrl.learner.policy import Learner
 from asyncrl.learner.publisher import Drain, Publisher
 from asyncrl.learner.step_log import NoStepLog, StepLog
+from asyncrl.message_limits import total_replicas
 from asyncrl.security import LEARNER, client_context
 from asyncrl.stop_signals import ROLE_SIGNALS, StopSignals
 from asyncrl.tracking import RecordWriteError
@@ -104,7 +106,7 @@ class Parts:
 def _train(config: Config, run_dir: Path, resume_from: Path | None) -> None:
     stop = StopSignals(ROLE_SIGNALS).install()  # first: a signal in start-up stops before step 1
     ranks = distributed.init(config.learner.device)
-    torch.set_num_threads(config.learner.num_threads)
+    torch.set_num_threads(torch_threads(config.learner.num_threads))
     torch.manual_seed(config.run.seed)
     learner = Learner(config, ranks)
     log.info(
@@ -170,7 +172,8 @@ def _parts(
     cluster = config.cluster
     context = client_context(cluster, LEARNER)
     cleanup.callback(context.destroy, linger=0)
-    zmq = WeightPublisher(tcp(cluster.bind_address, cluster.weights_port), cluster=cluster)
+    weights_endpoint = tcp(cluster.bind_address, cluster.weights_port)
+    zmq = WeightPublisher(weights_endpoint, cluster=cluster, replicas=total_replicas(config))
     weights = learner_sink(config, run_dir, zmq)  # zmq alone, or shared memory feeding it
     cleanup.callback(weights.close)
     buffer = BufferClient(

@@ -41,21 +41,20 @@ from asyncrl.learner.algorithms import (
     aggregate,
     batch_kl,
     compute_advantages,
-    entropy_from_logits,
     kl_estimate,
     make_kl_controller,
     needs_of,
     off_policy_metrics,
     policy_loss,
     token_level_rewards,
-    token_logprobs,
     value_loss,
 )
 from asyncrl.learner.algorithms.off_policy import SEQUENCE_MEAN_KEYS
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.batch_correction import BatchCorrection, correct_batch
 from asyncrl.learner.distributed import Ranks
-from asyncrl.learner.sharding import forward
+from asyncrl.learner.packing import Layout, token_outputs
+from asyncrl.learner.reference import Reference
 
 MAX_KEYS = ("importance_weight_max",)
 """Statistics reduced by max over micro-batches and ranks; the rest are token-weighted means."""
@@ -74,7 +73,7 @@ class Update:
         optimizer: torch.optim.Optimizer,
         config: Config,
         ranks: Ranks,
-        reference: nn.Module | None = None,
+        reference: Reference | None = None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -84,6 +83,8 @@ class Update:
         """What the configured estimator and KL ask for: values, token rewards, a reference."""
         self.ranks = ranks
         self.reference = reference
+        self.layout = Layout(model, config.learner.pack_sequences, ranks.device, ranks.world_size)
+        """How each micro-batch meets the model: packed with shared prompts, or padded."""
         self.temperature = config.generators.temperature
         algorithm = config.algorithm
         self.kl_control = make_kl_controller(
@@ -93,6 +94,9 @@ class Update:
             horizon=algorithm.kl_horizon,
         )
         """The in-reward KL coefficient: fixed, or steered towards ``kl_target``."""
+        self.positions = 0
+        """Positions the model ran on in this step's updates, padding included: below the
+        batch's tokens where samples share a prompt (:mod:`.packing`)."""
         self.skipped_nonfinite = 0
         """Optimizer updates not applied because the loss or gradient norm was not finite."""
         self._warned_at = -math.inf
@@ -171,6 +175,7 @@ class Update:
         )
 
         sums: defaultdict[str, float] = defaultdict(float)
+        self.positions = 0
         maxima: dict[str, float] = {}
         for number, (plan, update) in enumerate(zip(plans, mine, strict=True)):
             everyone = torch.tensor([i for rank in plan for rows in rank for i in rows])
@@ -214,6 +219,7 @@ class Update:
                 else 0.0,
                 "learner_minibatches": float(len(mine)),
                 "learner_microbatches": float(sum(len(update) for update in mine)),
+                "learner_positions": self._summed_over_ranks(float(self.positions)),
                 "learner_skipped_nonfinite_total": float(self.skipped_nonfinite),
             }
             | extra
@@ -289,20 +295,17 @@ class Update:
         device = self.ranks.device
         out = {name: torch.zeros_like(batch.behavior_logprobs, device=device) for name in wanted}
         for part in microbatch.micro_batches(parts, lengths):
-            input_ids, attention_mask = part.input(batch, device)
-            targets = input_ids[:, 1:]
+            inputs = self.layout.input(part, batch, device)
             cut = (part.rows, slice(0, part.width - 1))
             if "proximal" in out or "values" in out:
-                logits, values = forward(self.model, input_ids, attention_mask)
+                policy = token_outputs(self.model, inputs, self.temperature, entropy="none")
                 if "proximal" in out:
-                    logprobs = token_logprobs(logits[:, :-1], targets, self.temperature)
-                    out["proximal"][cut] = logprobs * part.weight
+                    out["proximal"][cut] = policy.logprobs * part.weight
                 if "values" in out:
-                    out["values"][cut] = values[:, :-1].float() * part.weight
+                    out["values"][cut] = policy.values * part.weight
             if "reference" in out:
-                logits, _ = forward(self.reference, input_ids, attention_mask)
-                logprobs = token_logprobs(logits[:, :-1], targets, self.temperature)
-                out["reference"][cut] = logprobs * part.weight
+                reference = self.reference.logprobs(inputs, self.temperature)
+                out["reference"][cut] = reference * part.weight
         if self.ranks.world_size > 1:
             for tensor in out.values():
                 dist.all_reduce(tensor)
@@ -322,13 +325,14 @@ class Update:
         """Forward and backward one micro-batch; returns ``{stat: (value, weight)}`` and
         the value of the objective that was back-propagated."""
         algorithm, device = self.algorithm, self.ranks.device
-        input_ids, attention_mask = part.input(batch, device)
         mask = part.tokens(batch.loss_mask, device) * part.weight
         behavior = part.tokens(batch.behavior_logprobs, device)
 
-        logits, values = forward(self.model, input_ids, attention_mask)
-        logits = logits[:, :-1]
-        logprobs = token_logprobs(logits, input_ids[:, 1:], self.temperature)
+        inputs = self.layout.input(part, batch, device)
+        self.positions += inputs.positions
+        entropy_term = "loss" if algorithm.entropy_coef > 0 else "metric"
+        outputs = token_outputs(self.model, inputs, self.temperature, entropy=entropy_term)
+        logprobs, values, entropy = outputs.logprobs, outputs.values, outputs.entropy
         if algorithm.bypass:  # pi_prox = pi_b: the ratio is to the behavior policy itself
             proximal = behavior
         elif "proximal" in pre:
@@ -366,7 +370,7 @@ class Update:
         out["loss_policy"] = loss.detach()
         if values is not None:
             v_loss, v_stats = value_loss(
-                values[:, :-1].float(),
+                values,
                 part.tokens(pre["values"], device),
                 part.tokens(returns, device),
                 mask,
@@ -385,11 +389,7 @@ class Update:
                 total = total + algorithm.kl_coef * kl_term
             out["learner_kl"] = kl_term.detach()
         if algorithm.entropy_coef > 0:
-            entropy = entropy_from_logits(logits, self.temperature)
             total = total - algorithm.entropy_coef * aggregate(entropy, mask, **agg)
-        else:
-            with torch.no_grad():
-                entropy = entropy_from_logits(logits, self.temperature)
         (total * self.ranks.world_size).backward()
         total_value = total.item()
 

@@ -16,7 +16,10 @@ import traceback
 
 import torch
 
-KEY = b"collective-test-key-0123456789ab"
+from asyncrl.signing import group_key_pair
+
+LEARNER_KEY, REPLICA_KEY = group_key_pair(b"L" * 32, b"G" * 32)
+"""The two sides of the tests' group: the test process as the learner, the replicas."""
 
 
 def small_model(seed: int, width: int = 16, layers: int = 0) -> torch.nn.Module:
@@ -74,7 +77,7 @@ def running_replica(address, bucket_bytes: int, width: int, **options):
     here, there = context.Pipe()
     process = context.Process(
         target=replica_main,
-        args=(address, KEY, bucket_bytes, width, there),
+        args=(address, REPLICA_KEY, bucket_bytes, width, there),
         kwargs=options,
         daemon=True,
     )

@@ -32,7 +32,7 @@ from asyncrl.config.data import DataConfig, EvalConfig, RewardConfig, TaskConfig
 from asyncrl.config.generators import GeneratorsConfig, Pool, PoolConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.loading import config_from_dict, load_config, save_config
-from asyncrl.config.run import ModelConfig, RunConfig, TinyModelConfig, TrackingConfig
+from asyncrl.config.run import LoraConfig, ModelConfig, RunConfig, TinyModelConfig, TrackingConfig
 from asyncrl.config.schema import Config, config_warnings
 from asyncrl.config.weights import WeightsConfig
 from asyncrl.machine import machine_problems
@@ -57,6 +57,7 @@ __all__ = [
     "GeneratorsConfig",
     "GrpoConfig",
     "LearnerConfig",
+    "LoraConfig",
     "ModelConfig",
     "Pool",
     "PoolConfig",

@@ -4,6 +4,7 @@ of names and plug-in specs that several sections make."""
 from __future__ import annotations
 
 import os
+import unicodedata
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -34,19 +35,47 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
+NAME_CHARACTERS = (
+    "letters, marks and digits of any script (Unicode categories L, M, N), the space, and "
+    "ASCII punctuation but / and \\"
+)
+"""What a name that becomes a path (``run.name``) may hold. Not control characters (NUL,
+newline, U+0085), format characters (U+202E, which shows text right to left, zero-width
+spaces), line or paragraph separators (U+2028) or other spaces: each makes a directory
+whose name is not what a terminal or a log shows."""
+
+
 def directory_name_problem(name: str) -> str | None:
-    """Why ``name`` cannot be one directory's name, or None."""
+    """Why ``name`` cannot be one directory's name, or None (see :data:`NAME_CHARACTERS`)."""
     if not name.strip():
         return "must not be empty: it names the run's directory"
     if "/" in name or "\\" in name or os.sep in name:
         return f"{name!r} holds a path separator: it names one directory, inside run.output_dir"
     if ".." in name:
         return f"{name!r} holds '..': it names one directory, inside run.output_dir"
-    if any(ord(character) < 32 or ord(character) == 127 for character in name):
-        return f"{name!r} holds a control character (NUL, newline, ...): it names a directory"
+    for character in name:
+        if not _safe_in_a_name(character):
+            return (
+                f"{name!r} holds {_code_point(character)}, which a name that becomes a "
+                f"directory may not: use {NAME_CHARACTERS}"
+            )
+    if name != name.strip(" "):
+        return f"{name!r} starts or ends with a space: it names a directory"
     if len(name) > 100:
         return f"is {len(name)} characters long; at most 100 (it names a directory)"
     return None
+
+
+def _safe_in_a_name(character: str) -> bool:
+    if character.isascii():
+        return character == " " or (character.isprintable() and not character.isspace())
+    return unicodedata.category(character)[0] in "LMN"
+
+
+def _code_point(character: str) -> str:
+    """``U+202E (RIGHT-TO-LEFT OVERRIDE)``."""
+    name = unicodedata.name(character, "")
+    return f"U+{ord(character):04X}" + (f" ({name})" if name else "")
 
 
 def spec_parts(spec: str) -> tuple[str, str] | None:

@@ -18,6 +18,11 @@ class ClusterConfig(Section):
     the resources it asks for (docs/ray.md)."""
     address: str | None = None
     """ray: the cluster to join (`auto`, `HOST:6379`); empty: a local Ray on 127.0.0.1."""
+    pin_cores: Literal["auto"] | bool = "auto"
+    """local: give each learner rank and generator replica cores of its own, as many as its
+    `num_threads` while they fit (else fewer, one torch thread per core); the buffer and
+    helpers run anywhere (asyncrl/cores.py). `auto`: when every one can have a core;
+    `true`: refuse to start otherwise; `false`: leave placement to the operating system."""
     buffer_num_cpus: Float = Field(1.0, ge=0.0)
     """ray: CPUs the buffer asks for; it is placed beside learner rank 0."""
     host: str = "127.0.0.1"
@@ -32,13 +37,14 @@ class ClusterConfig(Section):
     """Encrypt and authenticate every connection with ZeroMQ CURVE; `auto`: when `bind`
     is not loopback (it cannot be turned off there)."""
     keys_dir: str | None = None
-    """Folder of the run's credentials: the per-run secret the launcher writes (loopback), or
-    the CURVE keys `asyncrl keys DIR` writes into DIR/keys; empty: RUN_DIR/keys."""
+    """Folder of the credentials a process started by hand needs: the generators' and
+    observers' passwords the launcher writes (loopback), or the CURVE keys `asyncrl keys DIR`
+    writes into DIR/keys; empty: RUN_DIR/keys. The learner's are in no file."""
     auth: bool = True
-    """Every peer proves it belongs to the run (loopback: a per-run secret; beyond: CURVE)
-    and is served only its role's requests. false: any local process may feed the learner
-    and read the weights (trusted single-user machines only; it cannot be turned off
-    beyond loopback)."""
+    """Every peer proves it belongs to the run with its own role's credentials (loopback:
+    a password per role; beyond: CURVE) and is served only its role's requests. false: any
+    local process may feed the learner and read the weights (trusted single-user machines
+    only; it cannot be turned off beyond loopback)."""
 
     @property
     def bind_address(self) -> str:

@@ -66,11 +66,17 @@ class RewardConfig(Section):
     function: str | None = None
     """module:function or path.py:function; empty: chosen by each row's data_source."""
     timeout_s: Float = Field(10.0, gt=0, le=DAY_S)
-    """A sample whose reward takes longer scores 0, tagged `error:timeout`."""
+    """A sample whose reward takes longer scores 0, tagged `error:timeout`; also each call
+    `asyncrl validate` and `launch` make to `function` on a first row, to check it."""
+    load_timeout_s: Float = Field(60.0, gt=0, le=DAY_S)
+    """The time `asyncrl validate`, `launch` and each generator give the import of
+    `function`, or the building of the environment (in a child process): one slower is
+    stopped and named. A module that imports torch takes seconds, more on a busy machine."""
     workers: StrictInt = Field(1, ge=1, le=MAX_PROCESSES)
     """Scoring processes per generator replica."""
     memory_limit_mb: StrictInt = Field(4096, ge=64, le=1_048_576)
-    """Address-space limit of each reward worker process, in MiB."""
+    """Address-space limit of each reward worker process, in MiB, and of the child process
+    that imports `function` and the environment's module to check them."""
     min: Float = -10.0
     """The lowest reward a sample may carry. The buffer refuses a generator's message with a
     reward below `min`, above `max` or not finite (`buffer_rejected_bad_reward`), so no peer

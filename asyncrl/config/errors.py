@@ -23,8 +23,17 @@ def describe(error: dict[str, Any], origins: dict[tuple[str, ...], str]) -> str:
         return f"{where}: missing required key '{key}'"
     message = error["msg"].removeprefix("Value error, ")
     if "input" in error and error["type"] != "value_error" and not isinstance(error["input"], dict):
-        message += f", got {shorten(repr(error['input']), 80)}"
+        message += f", got {_shown(error['input'])}"
     return f"{where}: {key}: {message}"
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)`` cut short; an integer too long for Python to write out is named by
+    its size instead (``repr`` refuses one of more than 4300 digits)."""
+    try:
+        return shorten(repr(value), 80)
+    except ValueError:
+        return f"an integer of {value.bit_length()} bits"
 
 
 def origin(loc: tuple[str, ...], origins: dict[tuple[str, ...], str]) -> str:

@@ -34,6 +34,11 @@ class LearnerConfig(Section):
     """Keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only)."""
     max_tokens_per_microbatch: StrictInt = Field(16384, ge=1, le=1 << 30)
     """Token budget of one forward/backward (rows x padded length); gradients accumulate."""
+    pack_sequences: Literal["auto"] | bool = "auto"
+    """Run a micro-batch's samples as packed sequences without padding, the samples of a
+    group sharing one pass over their prompt (learner/packing.py). `auto`: when the model
+    computes the same log-probs that way (checked at start), else padded rows; `true`:
+    stop at start if it does not; `false`: always padded rows."""
     minibatches: StrictInt = Field(1, ge=1)
     """Optimizer updates per batch. Above 1 the proximal policy costs one extra forward pass."""
     checkpoint_every: StrictInt = Field(0, ge=0)

@@ -60,12 +60,42 @@ class TinyModelConfig(Section):
     max_position_embeddings: StrictInt = Field(128, ge=8, le=MAX_TOKENS)
 
 
+class LoraConfig(Section):
+    """LoRA adapters (made by peft): only they train, the base weights stay frozen.
+
+    The defaults are what RL trainers that offer LoRA ship (rank 16, alpha 32, every
+    linear layer but the LM head, no dropout): dropout would make the learner's
+    log-probs noisy against the generators' for the same tokens.
+    """
+
+    rank: StrictInt = Field(16, ge=1, le=4096)
+    """The adapters' rank r: each adapted ``[out, in]`` weight trains ``r * (in + out)``
+    parameters."""
+    alpha: Float = Field(32.0, gt=0.0, le=1e6)
+    """Scales the adapters' product by ``alpha / rank``."""
+    dropout: Float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input, in the learner's passes only (0: none)."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """The linear layers given adapters: ``all-linear`` (every one but the LM head) or
+    module names as peft matches them (``[q_proj, v_proj]``)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, list) and (not value or not all(name.strip() for name in value)):
+            raise ValueError("name at least one module, none of them empty, or all-linear")
+        return value
+
+
 class ModelConfig(Section):
     name_or_path: str | None = None
     """A Hugging Face model name or local path. Leave empty to build `tiny`."""
     tiny: TinyModelConfig | None = None
     """Build a small model from this config with the built-in tokenizer."""
     dtype: Literal["float32", "bfloat16"] = "float32"
+    lora: LoraConfig | None = None
+    """Train LoRA adapters instead of every weight (needs the ``lora`` extra: peft);
+    empty: full fine-tuning."""
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> ModelConfig:

@@ -1,5 +1,6 @@
-"""The scorer's handle on one reward worker process: how it starts, what it is doing,
-and what it printed.
+"""The scorer's handle on one reward worker process: how it starts, what it is doing, what
+it printed, and how it stops (with every process its function started: the worker is a
+subreaper, so they stay below it).
 
 A worker gets its channel as an inherited socket (``socket.socketpair``), stdin from
 /dev/null and stdout and stderr on a pipe of its own, read here without blocking, so
@@ -19,7 +20,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from asyncrl.rewards.channel import READ_BYTES
+from asyncrl.process_tree import kill_tree
+from asyncrl.rewards.channel import READ_BYTES, encode_jobs
 from asyncrl.rewards.worker import WORKER_COMMAND
 
 OUTPUT_KEEP_BYTES = 2048
@@ -83,6 +85,26 @@ class WorkerProcess:
         if room > 0:
             self.output += chunk[:room]
         return True
+
+    def stop(self) -> None:
+        """End the worker and every process its function started: an idle one is asked to
+        leave, one scoring (maybe hung) or starting is killed; then read what it printed
+        last (a traceback, say, is worth a look)."""
+        process = self.process
+        if process.poll() is None and not self.jobs and self.ready:
+            kill_tree(process.pid, include_root=False)  # what its function left running
+            with contextlib.suppress(OSError):
+                self.channel.sendall(encode_jobs(None))  # idle: ask it to leave
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=1)
+        if process.poll() is None:
+            kill_tree(process.pid)  # no need to be polite
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=5)
+        self.channel.close()
+        for _ in range(8):
+            if self.output_fd is None or not self.read_output():
+                break
 
     def close_output(self) -> None:
         self.output_fd = None

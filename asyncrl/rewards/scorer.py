@@ -50,8 +50,9 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
+from asyncrl.contained import STARTUP_S
+from asyncrl.plugin_check import check_reward_function
 from asyncrl.rewards.channel import READ_BYTES, decode_reply, encode_jobs, take_frames
-from asyncrl.rewards.loading import load_reward_function
 from asyncrl.rewards.outcome import (
     ERROR_CHANNEL,
     ERROR_CRASHED,
@@ -99,8 +100,11 @@ class RewardScorer:
     or sends anything but a well-formed reply is replaced: the sample it was
     scoring fails, its other samples go to the next worker. What workers print
     is read off a pipe and logged in short excerpts. ``function``
-    (``module:function`` or ``file.py:function``) is loaded here first, so a bad
-    name fails at construction, not in a worker.
+    (``module:function`` or ``file.py:function``) is loaded first in a contained
+    child (:func:`asyncrl.plugin_check.check_reward_function`, under
+    ``load_timeout_s`` and ``memory_limit_mb``), so a bad name or a module that hangs
+    at import fails at construction, not in a worker, and never runs in the caller's
+    process.
     """
 
     def __init__(
@@ -109,14 +113,17 @@ class RewardScorer:
         timeout_s: float = 10.0,
         workers: int = 1,
         memory_limit_mb: int = 4096,
+        load_timeout_s: float = 60.0,
     ):
-        if timeout_s <= 0 or workers < 1 or memory_limit_mb < 1:
+        if timeout_s <= 0 or load_timeout_s <= 0 or workers < 1 or memory_limit_mb < 1:
             raise ValueError(
-                "need timeout_s > 0, workers >= 1 and memory_limit_mb >= 1, "
-                f"got {timeout_s}, {workers}, {memory_limit_mb}"
+                "need timeout_s > 0, load_timeout_s > 0, workers >= 1 and memory_limit_mb "
+                f">= 1, got {timeout_s}, {load_timeout_s}, {workers}, {memory_limit_mb}"
             )
-        if function:
-            load_reward_function(function)
+        if function:  # imported in a contained child: never in this process
+            check_reward_function(
+                function, load_timeout_s=load_timeout_s, memory_limit_mb=memory_limit_mb
+            )
             where, _, name = function.rpartition(":")
             if where.endswith(".py") or "/" in where or os.sep in where:  # workers: same file
                 function = f"{Path(where).expanduser().resolve()}:{name}"
@@ -141,7 +148,13 @@ class RewardScorer:
     @classmethod
     def from_config(cls, config) -> RewardScorer:
         """From the ``reward`` section (:class:`asyncrl.config.RewardConfig`)."""
-        return cls(config.function, config.timeout_s, config.workers, config.memory_limit_mb)
+        return cls(
+            config.function,
+            config.timeout_s,
+            config.workers,
+            config.memory_limit_mb,
+            config.load_timeout_s,
+        )
 
     # -- the caller's side
 
@@ -231,8 +244,13 @@ class RewardScorer:
                 self._wait_and_read()
                 now = time.monotonic()
                 for worker in list(self._workers):
-                    if worker.jobs and worker.deadline <= now:
+                    if worker.deadline > now:
+                        continue
+                    if worker.jobs:
                         self._timed_out(worker)
+                    elif not worker.ready:
+                        detail = f"the reward worker did not load {self.function} in time"
+                        self._lost(worker, ERROR_TIMEOUT, detail)
         except Exception as error:  # never leave futures hanging
             log.exception("reward scorer stopped")
             self._failed = f"{type(error).__name__}: {error}"
@@ -262,7 +280,9 @@ class RewardScorer:
 
     def _fill_workers(self) -> None:
         while len(self._workers) < self.num_workers and not self._failed:
-            self._workers.append(WorkerProcess.start(self.function, self.memory_limit_mb))
+            worker = WorkerProcess.start(self.function, self.memory_limit_mb)
+            worker.deadline = time.monotonic() + STARTUP_S + self.timeout_s  # to say "ready"
+            self._workers.append(worker)
             self.counters["workers_started"] += 1
 
     def _assign(self) -> None:
@@ -320,6 +340,7 @@ class RewardScorer:
             if worker.ready:
                 raise ValueError("a second 'ready'")
             worker.ready = True
+            worker.deadline = math.inf
             self._startup_failures = 0
             return True
         if message[0] == "failed":
@@ -398,20 +419,7 @@ class RewardScorer:
             self._finish(job, Score(0.0, "error:scorer", reason))
 
     def _stop_worker(self, worker: WorkerProcess) -> None:
-        process = worker.process
-        if process.poll() is None and not worker.jobs and worker.ready:
-            with contextlib.suppress(OSError):
-                worker.channel.sendall(encode_jobs(None))  # idle: ask it to leave
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=1)
-        if process.poll() is None:
-            process.kill()  # scoring (maybe hung) or starting: no need to be polite
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=5)
-        worker.channel.close()
-        for _ in range(8):  # what it printed last (a traceback, say) is worth a look
-            if worker.output_fd is None or not worker.read_output():
-                break
+        worker.stop()
         self._flush_output(worker)
         if worker.output_fd is not None:
             worker.close_output()

@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 
+from asyncrl.process_tree import become_subreaper
 from asyncrl.rewards.channel import FRAME, decode_jobs, read_exactly, send_reply
 from asyncrl.rewards.loading import load_reward_function
 from asyncrl.rewards.outcome import (
@@ -112,6 +113,7 @@ def worker_main(fd: int, spec: str, parent_pid: int, memory_limit_mb: int = 0) -
     """
     channel = _private_channel(fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    become_subreaper()  # what the function starts stays below it, for the scorer to kill
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     _limit_memory(memory_limit_mb)
     try:

@@ -20,6 +20,7 @@ One job per module::
     zmq_limits.py   what serving may cost the learner: sizes, queues, heartbeats
     zmq_client.py   WeightClient: fetch with a window, check, restart, rebuild
     source.py       WeightSource: one path as a replica sees it; WeightTransferError
+    checks.py       what a replica checks before loading: the engine's layout, finite values
     zmq_source.py   ZmqSource: the ZeroMQ pull as a path, under a deadline
     shm.py          the shared-memory segment: layout, name, checks
     shm_writer.py   ShmWriter: each version written once into the segment

@@ -19,10 +19,13 @@ the others go on; and a gloo/NCCL group that timed out is not reusable anyway.
 The price: the learner sends a version once per replica, not once in all.
 
 Who may join. The store has no authentication, so every message through it is
-signed with the group key, ``HMAC(run secret, "asyncrl weight-update group")``
-(:func:`group_key`): a process without the run's secret cannot join, ask, or
-forge a header (docs/security.md). It still can, being able to reach the
-store's port: read what passes through the store (names, shapes, versions),
+signed, and each side with a key of its own (:func:`group_key`,
+:mod:`asyncrl.signing`): a replica's join and asks with the generators' key,
+the learner's accepts and offers with the learner's, which no generator holds.
+A process without the generators' credentials cannot join or ask; a generator
+cannot answer as the learner: seat itself as a replica's rank 0, or offer it a
+version (docs/security.md). Anyone who can reach the
+store's port still can: read what passes through the store (names, shapes, versions),
 delete or flood keys (the joins and asks then time out: the replicas fall back
 to ZeroMQ), and race the gloo rendezvous of a group being made, so as to sit
 in a member's place: read that version's bytes, or feed a replica forged
@@ -34,15 +37,15 @@ the transfer.
 from __future__ import annotations
 
 import datetime
-import hashlib
-import hmac
 import socket
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from asyncrl.security import RUN_SECRET, RunSecret, SecurityError, generate_run_secret
+from asyncrl.credentials import GENERATOR, LEARNER, SecurityError, held
+from asyncrl.keys_folder import stored_group_key
+from asyncrl.signing import GroupKey
 
 if TYPE_CHECKING:
     from asyncrl.config import ClusterConfig
@@ -55,7 +58,6 @@ MAX_MEMBERS = 64
 """Groups the learner keeps at once; a new join past it drops the longest idle one."""
 MAX_WORLD_SIZE = 65
 """The learner plus at most 64 engine workers (tensor parallelism) in one group."""
-_KEY_LABEL = b"asyncrl weight-update group"
 
 
 class GroupAddress(NamedTuple):
@@ -82,24 +84,31 @@ def accept_key(nonce: str) -> str:
     return f"asyncrl/accept/{nonce}"
 
 
-def group_key(cluster: ClusterConfig, *, create: bool = False) -> bytes | None:
-    """The key every group message is signed with; None when ``cluster.auth`` is off.
+def group_key(cluster: ClusterConfig, side: str = GENERATOR) -> GroupKey | None:
+    """``side``'s keys on the group (``learner``: rank 0's; ``generator``: a replica's);
+    None when ``cluster.auth`` is off.
 
-    Derived from the run's secret (``keys_dir/run.secret``): a loopback run has
-    one; a CURVE run gets one from the learner (``create``), which replicas on
-    other machines need a copy of. Raises SecurityError when it is missing.
+    What this process was handed (:func:`~asyncrl.credentials.held`); a replica
+    started by hand derives its own from the keys folder, and reads the
+    learner's public key there (``group.key``). Raises SecurityError when it
+    cannot: the learner's signing key is only ever handed.
     """
     if not cluster.auth:
         return None
+    other = LEARNER if side == GENERATOR else GENERATOR
+    credentials = held(cluster)
+    if credentials is not None and side in credentials.group_seeds:
+        seed, peer = credentials.group_seeds[side], credentials.group_publics.get(other)
+        if peer is not None:
+            return GroupKey(bytes.fromhex(seed), bytes.fromhex(peer))
+    if side == LEARNER:
+        raise SecurityError(
+            "weights.transport=collective: the learner's group key is handed to the learner "
+            "process by `asyncrl launch`, and this process was handed none"
+        )
     if not cluster.keys_dir:
         raise SecurityError("weights.transport=collective needs cluster.keys_dir (the run's keys)")
-    from pathlib import Path
-
-    directory = Path(cluster.keys_dir)
-    if create:
-        generate_run_secret(directory)
-    secret = RunSecret(directory / RUN_SECRET).load()
-    return hmac.new(secret, _KEY_LABEL, hashlib.sha256).digest()
+    return stored_group_key(cluster)
 
 
 def serve_store(host: str, port: int, timeout_s: float = JOIN_TIMEOUT_S) -> dist.TCPStore:

@@ -19,15 +19,14 @@ it belongs. After the last bucket comes one more broadcast, the verdict
 since the learner may have rewritten the slot while it was being sent.
 
 Replies travel through the group's store, which anyone who reaches its port
-may write: each is signed (:func:`seal`, HMAC-SHA256 with the group key,
-bound to the group and the request it answers) and opened only when the
-signature holds (:func:`unseal`). Nothing is ever unpickled: msgpack of the
+may write: each is signed (:func:`seal`, Ed25519 with the sending side's own
+key, bound to the group and the request it answers) and opened only when the
+other side's signature holds (:func:`unseal`). Nothing is ever unpickled: msgpack of the
 structs below, decoded strictly.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
@@ -35,10 +34,10 @@ from typing import NamedTuple
 import msgspec
 
 from asyncrl.messages import TensorEntry
+from asyncrl.signing import SIGNATURE_BYTES, GroupKey
 from asyncrl.weights.source import WeightTransferError
 from asyncrl.wire import ITEMSIZE, nbytes_of
 
-MAC_BYTES = 32
 MAX_MESSAGE_BYTES = 64 << 20
 """The largest signed message a side opens (a 1000-layer model's offer is about 1 MB)."""
 MAX_BUCKETS = 1 << 16
@@ -122,19 +121,26 @@ class Spec(NamedTuple):
     dtype: str | None
 
 
-def seal(message: Message, key: bytes | None, context: str) -> bytes:
-    """``message`` signed for ``context`` (e.g. ``"reply:3:7"``): MAC then msgpack body."""
+def seal(message: Message, key: GroupKey | None, context: str) -> bytes:
+    """``message`` signed by this side for ``context`` (e.g. ``"reply:3:7"``): signature
+    then msgpack body."""
     body = _ENCODER.encode(message)
-    return _mac(key, context, body) + body
+    if key is None:
+        return _UNSIGNED + body
+    return key.sign(_signed(context, body)) + body
 
 
-def unseal(data: bytes, key: bytes | None, context: str, expected: type) -> Message:
-    """The message in ``data`` when its signature for ``context`` holds and it is an
-    ``expected`` (or, for replies, any reply type); else WeightTransferError."""
-    if not MAC_BYTES <= len(data) <= MAX_MESSAGE_BYTES:
+def unseal(data: bytes, key: GroupKey | None, context: str, expected: type) -> Message:
+    """The message in ``data`` when the other side's signature for ``context`` holds and
+    it is an ``expected`` (or, for replies, any reply type); else WeightTransferError."""
+    if not SIGNATURE_BYTES <= len(data) <= MAX_MESSAGE_BYTES:
         raise WeightTransferError(f"collective: a {len(data)}-byte message for {context}")
-    mac, body = data[:MAC_BYTES], data[MAC_BYTES:]
-    if not hmac.compare_digest(mac, _mac(key, context, body)):
+    signature, body = data[:SIGNATURE_BYTES], data[SIGNATURE_BYTES:]
+    if key is None:
+        genuine = hmac.compare_digest(signature, _UNSIGNED)
+    else:
+        genuine = key.verify(signature, _signed(context, body))
+    if not genuine:
         raise WeightTransferError(f"collective: a forged or misdirected message for {context}")
     try:
         message = _DECODER.decode(body)
@@ -145,11 +151,12 @@ def unseal(data: bytes, key: bytes | None, context: str, expected: type) -> Mess
     return message
 
 
-def _mac(key: bytes | None, context: str, body: bytes) -> bytes:
-    """No key (``cluster.auth`` off): a constant, so anyone may speak (said at start)."""
-    if key is None:
-        return bytes(MAC_BYTES)
-    return hmac.new(key, context.encode() + b"\0" + body, hashlib.sha256).digest()
+_UNSIGNED = bytes(SIGNATURE_BYTES)
+"""No key (``cluster.auth`` off): a constant, so anyone may speak (said at start)."""
+
+
+def _signed(context: str, body: bytes) -> bytes:
+    return context.encode() + b"\0" + body
 
 
 def plan_buckets(

@@ -23,6 +23,15 @@ After the buckets comes the verdict: a version the learner rewrote while it
 was sent (``collective_outgoing.py``) is refused, ``overwritten``, and read
 whole from shared memory, the next path; the group stays.
 
+Nothing received counts unchecked (:mod:`.checks`; the broadcast sends from the
+shared-memory slot, which any process of the run's user may write): the offer's
+names, shapes and dtypes must be the engine's before a byte is received, and
+every value received finite before the version counts (a vLLM worker checks
+each bucket before the reload gets it). A version refused in staging leaves the
+engine as it was; one refused in the engine's own tensors leaves a mix
+(``partial``) that the next path replaces with a whole version. Either way it
+is counted, and asked for from then on as if held, so it is not sent again.
+
 Any other failure (the deadline, a closed group, a refused offer) destroys the
 group and raises :class:`WeightTransferError`: the chain falls back to the
 next path, and the next sync joins again with a new group. A replica that
@@ -37,12 +46,20 @@ import datetime
 import logging
 import secrets
 import time
+from collections import Counter
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
 
 from asyncrl.security import SecurityError
+from asyncrl.weights.checks import (
+    LAYOUT,
+    EngineLayout,
+    Refusals,
+    WeightsRefused,
+    check_finite,
+)
 from asyncrl.weights.collective import (
     JOIN_QUEUE,
     JOIN_TIMEOUT_S,
@@ -66,7 +83,6 @@ from asyncrl.weights.collective_buckets import (
     Bucket,
     JoinRequest,
     Offer,
-    Spec,
     UpToDate,
     check_offer,
     piece_ranges,
@@ -78,6 +94,7 @@ from asyncrl.weights.source import Loaded, PathUnavailable, WeightTransferError
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
+    from asyncrl.signing import GroupKey
 
 log = logging.getLogger("asyncrl.weights")
 
@@ -108,20 +125,6 @@ class InPlaceEngine(Protocol):
     def leave_weight_group(self) -> None: ...
 
 
-def expected_tensors(backend) -> tuple[dict[str, Spec] | None, set[str]]:
-    """The tensors ``backend`` takes, by name, and those it may go without."""
-    model = getattr(backend, "model", None)
-    if isinstance(model, torch.nn.Module):
-        expected = {name: Spec(tuple(t.shape), None) for name, t in model.state_dict().items()}
-        tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-        return expected, {"lm_head.weight"} if tied else set()
-    names = getattr(backend, "parameter_names", None)
-    if names is None:
-        return None, set()
-    tied = getattr(backend, "tied", None)
-    return {name: Spec(None, None) for name in names}, {tied[1]} if tied else set()
-
-
 class CollectiveSource:
     """A replica's collective path: join once, then ask and receive per sync."""
 
@@ -130,7 +133,7 @@ class CollectiveSource:
     def __init__(
         self,
         address: GroupAddress,
-        key: bytes | None,
+        key: GroupKey | None,
         replica: str,
         *,
         bucket_bytes: int,
@@ -150,23 +153,38 @@ class CollectiveSource:
         self._retry_at = 0.0
         self._staging: list[torch.Tensor] = []
         self._layout: list[tuple[str, int]] = []
+        self.counters: Counter[str] = Counter()
+        self._refusals = Refusals(self.counters)
+        self._engine_layout = EngineLayout()
+        self._refused_version = -1
+        """The newest version refused: asked for as if held, so it is not sent again."""
 
     def sync_into(self, backend, have_version: int, deadline: float) -> Loaded | None:
         if self.ticket is None:
             self._join(backend, deadline)
-        reply = self._ask(have_version, deadline)
+        asked = max(have_version, self._refused_version)
+        reply = self._ask(asked, deadline)
         if isinstance(reply, UpToDate):
             return None
-        expected, optional = expected_tensors(backend)
+        if reply.version <= asked:
+            self._leave()
+            raise WeightTransferError(f"collective: offered v{reply.version} for v{asked}")
+        layout = self._engine_layout.of(backend)
+        specs, optional = (None, set()) if layout is None else (layout.specs, layout.optional)
         try:
-            check_offer(reply, have_version, expected, optional, self.bucket_bytes)
-        except WeightTransferError:
+            check_offer(reply, asked, specs, set(optional), self.bucket_bytes)
+        except WeightTransferError as error:
             self._leave()  # the learner's broadcast to us then fails at once
-            raise
+            refused = WeightsRefused(str(error), reason=LAYOUT)
+            self._note(reply.version, refused)
+            raise refused from None
         started = time.monotonic()
         if self.engine is not None:
             try:
                 self.engine.receive_in_place(reply, deadline - started)
+            except WeightsRefused as error:  # the buckets all came: the group is sound
+                self._note(reply.version, error)
+                raise
             except WeightTransferError as error:
                 if not error.overwritten:
                     self._leave()
@@ -174,9 +192,11 @@ class CollectiveSource:
                 raise
         elif (homes := self._engine_buffers(backend, reply)) is not None:
             self._receive(reply, homes, deadline, into_engine=True)
+            self._check(reply, homes, into_engine=True)
             backend.weights_written(reply.version)
         else:
             self._receive(reply, self._staging_for(reply), deadline, into_engine=False)
+            self._check(reply, self._staging, into_engine=False)
             state_dict = bucket_views(reply, self._staging)
             try:
                 backend.load_weights(state_dict, reply.version)
@@ -290,6 +310,20 @@ class CollectiveSource:
             ) from error
         if int(verdict.item()) != VERDICT_INTACT:
             raise overwritten(offer.version, partial=into_engine)
+
+    def _check(self, offer: Offer, flats: list[torch.Tensor], *, into_engine: bool) -> None:
+        """Refuse the received version when a value is not finite; ``into_engine``: the
+        flats are the engine's tensors, which now hold it (``partial``)."""
+        views = bucket_views(offer, flats)
+        try:
+            check_finite(views.items(), offer.version, self.name, partial=into_engine)
+        except WeightsRefused as error:
+            self._note(offer.version, error)
+            raise
+
+    def _note(self, version: int, error: WeightsRefused) -> None:
+        self._refusals.note(version, error)
+        self._refused_version = max(self._refused_version, version)
 
     def _leave(self) -> None:
         """Destroy the group (a timed-out group is not reusable); the next sync re-joins."""

@@ -65,6 +65,7 @@ from asyncrl.weights.source import WeightTransferError
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
+    from asyncrl.signing import GroupKey
 
 log = logging.getLogger("asyncrl.weights")
 
@@ -81,7 +82,7 @@ class CollectiveSender:
         snapshots: SnapshotStore,
         host: str,
         port: int,
-        key: bytes | None,
+        key: GroupKey | None,
         *,
         bucket_bytes: int,
         deadline_s: float,
@@ -90,8 +91,9 @@ class CollectiveSender:
     ):
         """Serve at ``host:port`` (0: a free port, then ``address.port``) the shared-memory
         segment the learner of ``run_dir`` writes, and ``snapshots`` where it has nothing
-        newer (``run_dir`` None: only ``snapshots``); ``key`` signs every message (None:
-        ``cluster.auth`` off, anyone may join)."""
+        newer (``run_dir`` None: only ``snapshots``); ``key``, the learner's side of the
+        group, signs what it says and checks what replicas say (None: ``cluster.auth``
+        off, anyone may join)."""
         self.snapshots = snapshots
         self.run_dir = run_dir
         self.key = key
@@ -381,7 +383,7 @@ def learner_sender(config: Config, snapshots: SnapshotStore, run_dir: Path) -> C
         snapshots,
         cluster.bind_address,
         weights.group_port,
-        group_key(cluster, create=True),
+        group_key(cluster, "learner"),
         bucket_bytes=weights.bucket_bytes,
         deadline_s=weights.deadline_s,
         run_dir=run_dir,

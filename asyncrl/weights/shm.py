@@ -34,7 +34,9 @@ The segment's name is random (``asyncrl-`` and 32 hex digits) and recorded in
 ``RUN_DIR/weights_shm`` (0600), where the run's replicas find it, and where the
 next learner of the same run dir finds a crashed run's leftover to remove it.
 File and segment are created owner-only; a reader refuses a segment that is
-not a regular file of its own user with no group or other permissions.
+not a regular file of its own user with no group or other permissions. Any
+process of that user can still write it (and change its mode), so readers check
+what they load, not only its bounds (:mod:`asyncrl.weights.checks`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from pathlib import Path
 import msgspec
 
 from asyncrl.messages import TensorEntry
+from asyncrl.weights.checks import LAYOUT, WeightsRefused
 from asyncrl.weights.source import WeightTransferError
 from asyncrl.wire import DTYPES, nbytes_of
 
@@ -109,30 +112,32 @@ def data_nbytes(tensors: list[TensorEntry]) -> int:
 
 
 def check_index(tensors: list[TensorEntry], data_bytes: int, version: int) -> None:
-    """Raise WeightTransferError naming the first entry that does not fit the slot: an
-    unknown dtype, a size that is not its shape's, an offset out of order or unaligned,
+    """Raise WeightsRefused (``layout``) naming the first entry that does not fit the slot:
+    an unknown dtype, a size that is not its shape's, an offset out of order or unaligned,
     bytes past the slot's data, a name listed twice."""
+
+    def refuse(problem: str) -> None:
+        raise WeightsRefused(f"shm v{version}: {problem}", reason=LAYOUT)
+
     names: set[str] = set()
     end = 0
     for entry in tensors:
-        where = f"shm v{version}: tensor '{entry.name[:80]}'"
+        where = f"tensor '{entry.name[:80]}'"
         if entry.name in names:
-            raise WeightTransferError(f"{where} is listed twice")
+            refuse(f"{where} is listed twice")
         names.add(entry.name)
         if entry.dtype not in DTYPES or any(dim < 0 for dim in entry.shape):
-            raise WeightTransferError(f"{where} has unsupported {entry.dtype}{entry.shape}")
+            refuse(f"{where} has unsupported {entry.dtype}{entry.shape}")
         if entry.nbytes != nbytes_of(entry.dtype, entry.shape):
-            raise WeightTransferError(
+            refuse(
                 f"{where} {entry.shape} {entry.dtype} must be "
                 f"{nbytes_of(entry.dtype, entry.shape)} bytes, the index says {entry.nbytes}"
             )
         if entry.offset < end or entry.offset % ALIGN:
-            raise WeightTransferError(f"{where} starts at {entry.offset}: overlaps or unaligned")
+            refuse(f"{where} starts at {entry.offset}: overlaps or unaligned")
         end = entry.offset + entry.nbytes
         if end > data_bytes:
-            raise WeightTransferError(
-                f"{where} ends at byte {end}, past the slot's {data_bytes} bytes of data"
-            )
+            refuse(f"{where} ends at byte {end}, past the slot's {data_bytes} bytes of data")
 
 
 def read_pointer(run_dir: Path) -> str | None:

@@ -19,6 +19,17 @@ written) passes its end, so the replica's copy runs beside the learner's instead
 it. The load counts once the slot's counter says that very write completed;
 a write that left its plan or was overlapped leaves a mix in the engine, and
 the newest complete slot is then loaded whole.
+
+Any process of the run's user may write the segment, so nothing of it reaches
+the engine unchecked (:mod:`.checks`): a slot whose layout is not the engine's,
+or that holds a NaN or an infinity, is refused before the engine is handed a
+byte of it (a followed write: each part before it is handed over). A refused
+slot is remembered by its write (start and counter), counted and logged once;
+the source then loads the other slot when that one is newer than the engine's
+version (or the engine holds a mix), else raises ``WeightsRefused`` and the
+replica keeps the version it holds. A refused part of a followed write leaves
+the parts before it in the engine: the newest complete slot not refused, most
+often the version held before, is then loaded whole.
 """
 
 from __future__ import annotations
@@ -38,6 +49,17 @@ import msgspec
 import torch
 
 from asyncrl.messages import TensorEntry
+from asyncrl.weights.checks import (
+    LAYOUT,
+    NONFINITE,
+    EngineLayout,
+    Layout,
+    Refusals,
+    WeightsRefused,
+    check_finite,
+    check_layout,
+    nonfinite,
+)
 from asyncrl.weights.layout import FROM_NAME
 from asyncrl.weights.shm import (
     FOLLOW_WRITES,
@@ -99,6 +121,8 @@ class ShmSource:
         self.run_dir = run_dir
         self.shm_dir = shm_dir
         self.counters: Counter[str] = Counter()
+        self._refusals = Refusals(self.counters)
+        self._engine_layout = EngineLayout()
         self._map: mmap.mmap | None = None
         self._segment = ""
         self._pointer_stamp: tuple[int, int] | None = None
@@ -181,9 +205,14 @@ class ShmSource:
         assert self._map is not None
         return read_u64(self._map, slot.start)
 
-    def newest(self) -> Slot | None:
-        """The complete slot (even counter, ever written) with the highest version."""
-        complete = [s for s in map(self._slot, range(SLOTS)) if s.seq and s.seq % 2 == 0]
+    def newest(self, refused: Refusals | None = None) -> Slot | None:
+        """The complete slot (even counter, ever written) with the highest version, of those
+        whose write is not among ``refused``."""
+        complete = [
+            s
+            for s in map(self._slot, range(SLOTS))
+            if s.seq and s.seq % 2 == 0 and (refused is None or (s.start, s.seq) not in refused)
+        ]
         return max(complete, key=lambda s: s.version, default=None)
 
     def index(self, slot: Slot) -> list[TensorEntry]:
@@ -196,15 +225,16 @@ class ShmSource:
             or slot.data_at < SLOT_HEADER_BYTES + slot.index_nbytes
             or slot.data_at + slot.data_nbytes > self._slot_bytes
         ):
-            raise WeightTransferError(
+            raise WeightsRefused(
                 f"{where}: corrupt slot header (index {slot.index_nbytes} bytes, data "
-                f"{slot.data_nbytes} bytes at {slot.data_at} in a {self._slot_bytes}-byte slot)"
+                f"{slot.data_nbytes} bytes at {slot.data_at} in a {self._slot_bytes}-byte slot)",
+                reason=LAYOUT,
             )
         index_at = slot.start + SLOT_HEADER_BYTES
         try:
             tensors = INDEX_DECODER.decode(self._map[index_at : index_at + slot.index_nbytes])
         except msgspec.MsgspecError as error:
-            raise WeightTransferError(f"{where}: corrupt tensor index: {error}") from None
+            raise WeightsRefused(f"{where}: corrupt tensor index: {error}", reason=LAYOUT) from None
         check_index(tensors, slot.data_nbytes, slot.version)
         return tensors
 
@@ -237,24 +267,31 @@ class ShmSource:
         }
 
     def sync_into(self, backend: Backend, have_version: int, deadline: float) -> Loaded | None:
-        """Load the newest complete slot if newer than ``have_version``, or follow the write
-        of a newer one; see the module."""
+        """Load the newest complete slot not refused if newer than ``have_version``, or
+        follow the write of a newer one; see the module."""
         self.ensure_mapped()
-        torn = False  # the engine holds a load a write overlapped
+        layout = self._engine_layout.of(backend)
+        torn = False  # the engine holds a load a write overlapped, or a refused part
+        refusal: WeightsRefused | None = None
         load_parts = getattr(backend, "load_weights_in_parts", None)
         if load_parts is not None and FOLLOW_WRITES:
             newest = self.newest()
             announced = self.announced(have_version)
             if announced is not None and (newest is None or newest.version <= have_version):
-                loaded, torn = self._follow(announced, load_parts, deadline)
+                try:
+                    loaded, torn = self._follow(announced, load_parts, layout, deadline)
+                except WeightsRefused as error:
+                    # a part's values: the write, once complete (seq + 1), is not read again
+                    written = announced.seq + (error.reason == NONFINITE)
+                    self._refusals.note((announced.start, written), error)
+                    loaded, torn, refusal = None, error.partial, error
                 if loaded is not None:
                     return loaded
-        for _ in range(2):
-            slot = self.newest()
+        overlaps = 0
+        while True:  # ends: each pass refuses a slot (at most SLOTS) or counts an overlap
+            slot = self.newest(refused=self._refusals)
             if slot is None or (not torn and slot.version <= have_version):
-                if torn:
-                    break
-                return None
+                break
             if time.monotonic() > deadline:
                 raise WeightTransferError(
                     f"shm v{slot.version}: deadline passed before the load",
@@ -262,12 +299,13 @@ class ShmSource:
                     deadline_missed=True,
                 )
             try:
-                views = self._views(slot)
-            except WeightTransferError as error:
-                if self.seq(slot) == slot.seq:
-                    error.partial = torn
-                    raise
-                views = None  # the header changed under us: an overlap, not corruption
+                views = self._checked_views(slot, layout)
+            except WeightsRefused as error:
+                if self.seq(slot) == slot.seq:  # the slot's own bytes: refused, try the other
+                    self._refusals.note((slot.start, slot.seq), error)
+                    refusal = error
+                    continue
+                views = None  # the slot changed under us: an overlap, not corruption
             if views is not None:
                 started = time.perf_counter()
                 try:
@@ -288,9 +326,26 @@ class ShmSource:
                 torn = True
             self.counters["overlaps"] += 1
             log.info("shm v%d was rewritten while it was read; reading again", slot.version)
-        raise WeightTransferError(
-            "shm: the learner rewrote the slot during two loads in a row", partial=torn
-        )
+            overlaps += 1
+            if overlaps == 2:
+                raise WeightTransferError(
+                    "shm: the learner rewrote the slot during two loads in a row", partial=torn
+                )
+        if refusal is not None:
+            refusal.partial = torn
+            raise refusal
+        if torn:
+            raise WeightTransferError("shm: no whole version left to reload", partial=True)
+        return None
+
+    def _checked_views(self, slot: Slot, layout: Layout | None) -> dict[str, torch.Tensor]:
+        """The slot's tensors as views, once its layout is the engine's and every value is
+        finite (WeightsRefused otherwise): the engine is handed nothing else."""
+        entries = self.index(slot)
+        check_layout(layout, entries, slot.version, self.name)
+        views = self._views(slot, entries)
+        check_finite(views.items(), slot.version, self.name)
+        return views
 
     def announced(self, have_version: int) -> Slot | None:
         """A slot being written, newer than ``have_version``, whose layout is announced."""
@@ -304,12 +359,16 @@ class ShmSource:
                     return slot
         return None
 
-    def _follow(self, slot: Slot, load_parts, deadline: float) -> tuple[Loaded | None, bool]:
-        """Load ``slot``'s tensors as the learner writes them: ``(loaded, False)`` when that
-        write completed as announced; ``(None, partial)`` when it left its plan."""
+    def _follow(
+        self, slot: Slot, load_parts, layout: Layout | None, deadline: float
+    ) -> tuple[Loaded | None, bool]:
+        """Load ``slot``'s tensors as the learner writes them, each part checked before the
+        engine gets it: ``(loaded, False)`` when that write completed as announced;
+        ``(None, partial)`` when it left its plan; WeightsRefused when a part failed."""
         assert self._map is not None
         try:
             entries = self.index(slot)
+            check_layout(layout, entries, slot.version, self.name)
         except WeightTransferError:
             if self.on_plan(slot):
                 raise
@@ -328,8 +387,16 @@ class ShmSource:
                     raise _LeftPlan
                 written = bisect.bisect_right(ends, progress, lo=done)  # whole tensors
                 if written > done:
+                    part = {name: views[name] for name in names[done:written]}
+                    problem = nonfinite(part.items())
+                    if problem is not None:
+                        if not self.on_plan(slot):
+                            raise _LeftPlan  # overwritten while checked: not its values
+                        raise WeightsRefused(
+                            f"shm v{slot.version}: refused: {problem}", reason=NONFINITE
+                        )
                     loading = True
-                    yield {name: views[name] for name in names[done:written]}
+                    yield part
                     done = written
                 else:
                     self._wait(deadline, slot, "while following the write")

@@ -173,6 +173,10 @@ class WeightClient:
         self.deadline: float | None = None
         """A ``time.monotonic()`` instant no reply is waited for past (set by the caller
         for one fetch: the weight-sync deadline); None: ``timeout_s`` per reply only."""
+        self.screen: Callable[[WeightsManifest], bool] | None = None
+        """Asked about the manifest before any chunk is requested (set by the caller for
+        one fetch): False ends the fetch with nothing fetched (a version the caller refused
+        already); it may raise to refuse the version (a layout not the engine's)."""
         self.socket = client_socket(context, endpoint, timeout_s)
         self.errors: Counter[str] = Counter()
         self.stats: Counter[str] = Counter()
@@ -230,6 +234,8 @@ class WeightClient:
             raise WireError(body.reason, f"weights server: {body.detail}")
         if not isinstance(body, WeightsManifest):
             raise WireError("unexpected_type", f"expected a manifest, got {type(body).__name__}")
+        if self.screen is not None and not self.screen(body):
+            return None
         assembly = _Assembly(body, self._buffers if self.reuse_buffers else None)
         if self.reuse_buffers:
             self._buffers = assembly.buffers

@@ -9,9 +9,8 @@ flow control. Rejections are counted and logged at most once per
 
 from __future__ import annotations
 
-import time
-from collections import Counter
-
+from asyncrl.connection_guard import RateLimitedLog as RateLimitedLog  # the server's too
+from asyncrl.message_limits import GuardLimits, unauthenticated_limit
 from asyncrl.security import GENERATOR
 
 REQUEST_MAX_BYTES = 4 << 10
@@ -19,7 +18,14 @@ REQUEST_MAX_BYTES = 4 << 10
 bytes; anything bigger is refused on its size alone (``rejected_oversized``)."""
 FRAME_MAX_BYTES = 64 << 10
 """libzmq drops a peer that sends a frame larger than this (``ZMQ_MAXMSGSIZE``), before
-buffering it; between ``REQUEST_MAX_BYTES`` and this a request is refused and counted."""
+buffering it, handshake commands included; between ``REQUEST_MAX_BYTES`` and this a
+request is refused and counted."""
+HELD_BYTES = 256 << 10
+"""Bytes one connection may have sent that the server thread has not received: a client
+keeps at most ``MAX_WINDOW`` requests of tens of bytes in flight; beyond (a message of
+endless frames) the connection is shut (:mod:`asyncrl.connection_guard`)."""
+OTHER_PEERS = 2
+"""Connections beside the replicas' (a benchmark's or a test's reader), with room to spare."""
 SEND_HWM = 32
 """Replies queued per peer (``ZMQ_SNDHWM``). Sends never block: with ``ROUTER_MANDATORY``
 and ``NOBLOCK`` a reply to a peer with no room, or gone, fails at once and is dropped and
@@ -52,20 +58,11 @@ REJECTION_LOG_INTERVAL_S = 60.0
 """At most one log line per rejection reason per interval, with the count since."""
 
 
-class RateLimitedLog:
-    """At most one line per reason per ``interval_s``: :meth:`due` says when, and how many."""
-
-    def __init__(self, interval_s: float):
-        self.interval_s = interval_s
-        self._last: dict[str, float] = {}
-        self._count: Counter[str] = Counter()
-
-    def due(self, reason: str) -> int:
-        """Count one more ``reason``; the count since the last line if one is due now, else 0."""
-        self._count[reason] += 1
-        now = time.monotonic()
-        last = self._last.get(reason)
-        if last is not None and now - last < self.interval_s:
-            return 0
-        self._last[reason] = now
-        return self._count.pop(reason)
+def guard_limits(replicas: int) -> GuardLimits:
+    """The weights server's connection limits for a run of ``replicas`` generator replicas
+    (each connects once): frames, bytes held per connection, connections in handshake."""
+    return GuardLimits(
+        frame_bytes=FRAME_MAX_BYTES,
+        held_bytes=HELD_BYTES,
+        unauthenticated=unauthenticated_limit(replicas, 1, OTHER_PEERS),
+    )

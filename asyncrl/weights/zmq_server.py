@@ -24,7 +24,9 @@ bounded time and memory (docs/security.md, "What the weights server accepts"):
 - a request is one frame of at most ``REQUEST_MAX_BYTES``: anything else is
   refused on its frame count and sizes, before it is decoded (``rejected_bad_array``,
   ``rejected_oversized``); libzmq itself drops a peer that sends a frame above
-  ``FRAME_MAX_BYTES``;
+  ``FRAME_MAX_BYTES``, handshake commands included, and the connection guard
+  (:mod:`asyncrl.connection_guard`) one holding more than ``HELD_BYTES`` unread and the
+  oldest connections in their handshake beyond ``guard_limits(replicas)``;
 - a peer has at most ``PEER_MAX_CHUNKS`` chunk replies that libzmq still holds,
   all of one version, and at most ``MAX_PEERS_SERVED`` peers have any; further
   chunk requests wait or are refused (:mod:`.zmq_peers`). A client that never
@@ -54,6 +56,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from asyncrl.connection_guard import GAUGES, ConnectionGuard
 from asyncrl.messages import (
     ArraySpec,
     ErrorReply,
@@ -71,7 +74,6 @@ from asyncrl.security import peer_role, secure_server
 from asyncrl.weights.layout import DEFAULT_CHUNK_BYTES
 from asyncrl.weights.snapshot import Handle, NamedTensors, Snapshot, SnapshotStore
 from asyncrl.weights.zmq_limits import (
-    FRAME_MAX_BYTES,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TIMEOUT_S,
     RECEIVE_HWM,
@@ -80,6 +82,7 @@ from asyncrl.weights.zmq_limits import (
     SEND_HWM,
     SERVED_ROLES,
     RateLimitedLog,
+    guard_limits,
 )
 from asyncrl.weights.zmq_peers import ChunkScheduler
 
@@ -105,9 +108,12 @@ class WeightPublisher:
         endpoint: str,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         cluster: ClusterConfig | None = None,
+        *,
+        replicas: int = 1,
     ):
         """With ``cluster`` (the run's ``config.cluster``) serve only the run's authenticated
-        peers; without it any peer (tests and benchmarks on a trusted machine)."""
+        peers; without it any peer (tests and benchmarks on a trusted machine). ``replicas``:
+        the run's generator replicas, whom the connections in handshake are sized for."""
         self.served: Counter[str] = Counter()
         self.snapshots = SnapshotStore(chunk_bytes, self.served)
         self.endpoint = endpoint
@@ -122,13 +128,13 @@ class WeightPublisher:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, FRAME_MAX_BYTES)
         # every send is NOBLOCK, so a peer at its SNDHWM (or gone) fails the send at once:
         # the reply is dropped and counted, the server thread never waits for a peer
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._socket.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_INTERVAL_S * 1000))
         self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
         self._auth = secure_server(self._context, self._socket, cluster) if cluster else None
+        self._guard = ConnectionGuard(self._socket, guard_limits(replicas), "weights server")
         self._socket.bind(endpoint)
         self._thread = threading.Thread(target=self._serve_loop, name="weights-server", daemon=True)
         self._thread.start()
@@ -163,9 +169,11 @@ class WeightPublisher:
             if self._socket.poll(_WAITING_POLL_MS if chunks.waiting else 100):
                 for _ in range(_RECEIVE_BATCH):
                     try:
-                        identity, *frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                        message = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
+                    self._guard.received(message)
+                    identity, *frames = message
                     self._handle(identity, frames)
             if chunks.waiting:
                 chunks.serve_waiting()
@@ -332,11 +340,15 @@ class WeightPublisher:
         """The server's counters as metrics: ``weights_<counter>_total`` for each counter of
         ``served`` (``weights_chunks_sent_total``, ``weights_rejected_<reason>_total``, ...),
         ``weights_refused_auth_total`` (handshakes refused for unknown credentials) when
-        authentication is on, and the peers being served or waiting now."""
+        authentication is on, the connection guard's ``weights_connections_<counter>_total``
+        and its gauges, and the peers being served or waiting now."""
         served = dict(self.served)  # one C-level copy: the server thread keeps counting
         stats = {f"weights_{name}_total": float(count) for name, count in served.items()}
         if self._auth is not None:
             stats["weights_refused_auth_total"] = float(self._auth.refused)
+        for name, count in self._guard.stats().items():
+            suffix = "" if name in GAUGES else "_total"
+            stats[f"weights_connections_{name}{suffix}"] = float(count)
         stats["weights_peers_served"] = float(len(self._chunks.serving))
         stats["weights_peers_waiting"] = float(len(self._chunks.waiting))
         return stats
@@ -344,6 +356,7 @@ class WeightPublisher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        self._guard.stop()
         self._socket.close(linger=0)
         if self._auth is not None:
             self._auth.stop()  # before term(), which waits for the ZAP handler's sockets

@@ -6,9 +6,10 @@ with their array frames. The test keeps its own sizes and timings and passes
 them in; nothing here asserts more than that a reply is of the expected type.
 
 Every run authenticates its peers (``cluster.auth``): ``buffer_config`` gives
-each config a fresh per-run secret of its own, and :class:`Peers` hands out
-sockets of each role (generator, learner, observer) with that role's
-credentials, as ``client_context`` gives them to the real roles.
+each config credentials of its own, all of which the test process holds (it
+plays every role), and :class:`Peers` hands out sockets of each role
+(generator, learner, observer) with that role's credentials, as
+``client_context`` gives them to the real roles.
 
 A generator's samples carry the prompt its group was handed out with (the
 buffer checks them): :func:`exchange` notes the prompt of every item a
@@ -27,7 +28,9 @@ from typing import Any, Protocol
 import numpy as np
 import zmq
 
-from asyncrl.config import Config, load_config
+from asyncrl.config import ClusterConfig, Config, load_config
+from asyncrl.credentials import held
+from asyncrl.keys_folder import hold_every_role
 from asyncrl.messages import (
     Ack,
     Message,
@@ -37,7 +40,7 @@ from asyncrl.messages import (
     decode,
     encode,
 )
-from asyncrl.security import GENERATOR, LEARNER, OBSERVER, Role, client_context, generate_run_secret
+from asyncrl.security import GENERATOR, LEARNER, OBSERVER, Role, client_context
 from asyncrl.transport import client_socket, free_port, tcp
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
@@ -50,10 +53,11 @@ test process talks to buffers of one dataset: a group id names one prompt)."""
 
 
 def fresh_keys_dir() -> Path:
-    """A keys folder holding a new per-run secret, removed when the test process exits."""
+    """A keys folder of a new run whose every credential this process holds, removed when
+    the test process exits."""
     directory = Path(tempfile.mkdtemp(prefix="asyncrl-test-keys-"))
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    generate_run_secret(directory)
+    hold_every_role(ClusterConfig(keys_dir=str(directory)))
     return directory
 
 
@@ -66,15 +70,15 @@ def buffer_config(
     keys_dir: Path | None = None,
 ) -> Config:
     """The quickstart config with small steps, free ports, the test's heartbeat times and
-    credentials of its own (a fresh per-run secret, unless ``keys_dir`` holds one).
+    credentials of its own (new ones, unless this process holds those of ``keys_dir``).
 
     ``None`` keeps quickstart's heartbeat setting; ``overrides`` are applied last, so
     they win over everything else.
     """
     if keys_dir is None:
         keys_dir = fresh_keys_dir()
-    else:
-        generate_run_secret(keys_dir)
+    elif held(ClusterConfig(keys_dir=str(keys_dir))) is None:
+        hold_every_role(ClusterConfig(keys_dir=str(keys_dir)))
     settings = [
         f"algorithm.group_size={group_size}",
         f"algorithm.prompts_per_step={prompts_per_step}",

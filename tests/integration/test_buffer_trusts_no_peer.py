@@ -465,9 +465,9 @@ def test_a_header_of_100000_dimensions_is_refused_before_any_arithmetic(buffer, 
     too_big = msgspec.msgpack.encode(
         {
             "schema_version": SCHEMA_VERSION,
-            "body": {"type": "heartbeat", "generator_id": "x" * 2**21},
+            "body": {"type": "heartbeat", "generator_id": "x" * 2**20},
         }
-    )
+    )  # over the 1 MiB the buffer decodes, under the socket's frame cap (2 MiB)
     assert refused(exchange_frames(generator, [too_big])[0], "oversized")
     assert isinstance(exchange(generator, StatusRequest()), Status)  # still serving
 

@@ -17,7 +17,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
-from collective_testing import KEY, command, replica_main, version_tensors, wait_for
+from collective_testing import (
+    LEARNER_KEY,
+    REPLICA_KEY,
+    command,
+    replica_main,
+    version_tensors,
+    wait_for,
+)
 
 from asyncrl.transport import free_port, tcp
 from asyncrl.weights import WeightPublisher
@@ -51,7 +58,7 @@ def test_a_replica_stopped_mid_broadcast_is_cut_off_and_falls_back_to_zmq(caplog
         publisher.snapshots,
         "127.0.0.1",
         0,
-        KEY,
+        LEARNER_KEY,
         bucket_bytes=BUCKET_BYTES,
         deadline_s=DEADLINE_S,
     )
@@ -61,7 +68,9 @@ def test_a_replica_stopped_mid_broadcast_is_cut_off_and_falls_back_to_zmq(caplog
         here, there = spawn.Pipe()
         target = partial(replica_main, name=name, layers=LAYERS, pause=pause, homing=homing)
         process = spawn.Process(
-            target=target, args=(sender.address, KEY, BUCKET_BYTES, WIDTH, there), daemon=True
+            target=target,
+            args=(sender.address, REPLICA_KEY, BUCKET_BYTES, WIDTH, there),
+            daemon=True,
         )
         process.start()
         pipes.append(here)

@@ -20,7 +20,7 @@ from asyncrl.weights.collective_sender import CollectiveSender
 from asyncrl.weights.snapshot import SnapshotStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
-from collective_testing import KEY
+from collective_testing import LEARNER_KEY, REPLICA_KEY
 
 pytestmark = [
     pytest.mark.slow,
@@ -61,10 +61,10 @@ def test_a_broadcast_into_the_vllm_engine_changes_its_greedy_generation(tmp_path
     build_backend(engine_config("zmq"), model, tokenizer, tmp_path / "zmq").close()
     backend = build_backend(engine_config("collective"), model, tokenizer, tmp_path / "collective")
     sender = CollectiveSender(
-        SnapshotStore(1 << 20, Counter()), "127.0.0.1", 0, KEY,
+        SnapshotStore(1 << 20, Counter()), "127.0.0.1", 0, LEARNER_KEY,
         bucket_bytes=BUCKET_BYTES, deadline_s=60.0,
     )  # fmt: skip
-    source = CollectiveSource(sender.address, KEY, "vllm-0", bucket_bytes=BUCKET_BYTES)
+    source = CollectiveSource(sender.address, REPLICA_KEY, "vllm-0", bucket_bytes=BUCKET_BYTES)
     prompts = [[1, 5, 6, 7, 13], [1, 9, 3, 13]]
     try:
         assert backend.in_place_weights is not None

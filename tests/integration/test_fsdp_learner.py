@@ -30,11 +30,12 @@ def max_difference(a: dict, b: dict) -> float:
 @pytest.mark.parametrize(
     "overrides",
     [
-        [],
-        # pre-pass on both ranks: values (critic), reference log-probs, proximal log-probs
+        # pre-pass on both ranks: values (critic), reference log-probs, proximal log-probs.
+        # GRPO alone on 2 ranks is the path of test_resume_matches_an_unbroken_run below
+        # and of test_launch_end_to_end's torchrun run, so it is not run a third time here.
         ["algorithm.advantage=gae", "algorithm.kl_coef=0.05", "learner.minibatches=2"],
     ],
-    ids=["grpo", "gae-kl-minibatches"],
+    ids=["gae-kl-minibatches"],
 )
 def test_two_ranks_match_one(tmp_path, overrides):
     """Same data, same seed: sharding over 2 gloo ranks changes nothing but rounding."""
@@ -64,10 +65,12 @@ def test_resume_matches_an_unbroken_run(tmp_path):
     assert resumed["metrics"]["learner_lr"] == unbroken["metrics"]["learner_lr"]
 
 
-def test_a_gguf_policy_checkpoints_resumes_and_exports_like_any_other(tmp_path, smollm2_gguf):
+def test_a_gguf_policy_checkpoints_and_exports_like_any_other(tmp_path, smollm2_gguf):
     """model.name_or_path naming a .gguf file (SmolLM2-135M-Instruct, dequantized on
-    load): the checkpoint of step 1 resumes to the same parameters at step 2, and
-    the final export is a plain Hugging Face folder holding exactly those weights."""
+    load): the step-1 checkpoint is written whole, and the final export is a plain
+    Hugging Face folder holding exactly the trained weights. (Resuming from a checkpoint
+    does not depend on where the weights first came from: test_resume_matches_an_unbroken_run
+    resumes one on two ranks; a second load of the 135M GGUF file here cost a minute of CI.)"""
     from transformers import AutoModelForCausalLM
 
     source = [f"model.name_or_path={smollm2_gguf}", "model.tiny=null", "learner.lr=1e-4"]
@@ -75,8 +78,6 @@ def test_a_gguf_policy_checkpoints_resumes_and_exports_like_any_other(tmp_path, 
     unbroken = train(tmp_path / "unbroken", 2, *source, "--save-at", "1", "--export")
     checkpoint = tmp_path / "unbroken" / "checkpoint"
     assert (checkpoint / "COMPLETE").exists()
-    resumed = train(tmp_path / "resumed", 2, *source, "--resume", str(checkpoint))
-    assert max_difference(unbroken["params"], resumed["params"]) == 0.0
 
     final = tmp_path / "unbroken" / "final"
     assert "quantization_config" not in (final / "config.json").read_text()

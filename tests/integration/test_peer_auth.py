@@ -1,31 +1,29 @@
 """Peer authentication over real sockets: every peer proves it belongs to the run, on
 loopback too, and the server learns each peer's role from its credentials.
 
-A ROUTER socket secured with the run's credentials (PLAIN with the per-run secret
-on loopback, CURVE when asked) is sent one message by each peer; the role the
-server reads from the message must be the one the peer holds credentials for,
-and a peer without them, or posing as another role, is never heard.
+A ROUTER socket secured with the run's credentials (PLAIN with a password per
+role on loopback, CURVE when asked) is sent one message by each peer; the role
+the server reads from the message must be the one the peer holds credentials
+for, and a peer without them, or posing as another role, is never heard. The
+test process holds every role's credentials (it plays them all); an impostor
+gets only what a generator is given.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import hmac
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import zmq
 
 from asyncrl.config import ClusterConfig
-from asyncrl.security import (
-    RUN_SECRET,
-    RunSecret,
-    client_context,
-    generate_keys,
-    generate_run_secret,
-    peer_role,
-    role_password,
-    secure_server,
-)
+from asyncrl.keys_folder import hold_every_role, provision
+from asyncrl.security import client_context, generate_keys, peer_role, secure_server
 
 pytestmark = pytest.mark.timeout(120)
 REFUSED_WAIT_MS = 1000
@@ -38,10 +36,12 @@ handler's answer; seconds on a machine busy with other tests' processes)."""
 @pytest.fixture(params=["plain", "curve"])
 def cluster(request, tmp_path) -> ClusterConfig:
     if request.param == "plain":
-        generate_run_secret(tmp_path / "keys")
-        return ClusterConfig(keys_dir=str(tmp_path / "keys"))
-    generate_keys(tmp_path)
-    return ClusterConfig(keys_dir=str(tmp_path / "keys"), curve=True)
+        cluster = ClusterConfig(keys_dir=str(tmp_path / "keys"))
+    else:
+        generate_keys(tmp_path)
+        cluster = ClusterConfig(keys_dir=str(tmp_path / "keys"), curve=True)
+    hold_every_role(cluster)
+    return cluster
 
 
 @pytest.fixture
@@ -68,14 +68,26 @@ def clients() -> Iterator[list[zmq.Context]]:
         context.destroy(linger=0)
 
 
-def send_from(context: zmq.Context, endpoint: str, payload: bytes) -> zmq.Socket:
+def send_from(
+    context: zmq.Context, endpoint: str, payload: bytes, *, refused: bool = False
+) -> zmq.Socket:
     """Send one message from a new socket of ``context``. Keep the socket until the test
     ends: closed, it would drop the message before the handshake. No linger, so a
-    message that can never be delivered does not hold up ``context.destroy()``."""
+    message that can never be delivered does not hold up ``context.destroy()``.
+
+    A ``refused`` peer's handshake fails, and once it has, its socket may have no pipe
+    left to queue on: its send would block for ever, so it is tried once without
+    blocking (a message it cannot even queue is not heard either). Any other send
+    must be queued within ``EXPECTED_WAIT_MS``."""
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDTIMEO, EXPECTED_WAIT_MS)
     socket.connect(endpoint)
-    socket.send(payload)
+    if refused:
+        with contextlib.suppress(zmq.Again):
+            socket.send(payload, zmq.NOBLOCK)
+    else:
+        socket.send(payload)
     return socket
 
 
@@ -112,10 +124,10 @@ def test_a_peer_without_the_run_s_credentials_is_never_heard(cluster, server, cl
     socket, endpoint, auth = server
     stranger, guesser = zmq.Context(), zmq.Context()
     clients += [stranger, guesser]
-    kept = [send_from(stranger, endpoint, b"plain zeromq")]
+    kept = [send_from(stranger, endpoint, b"plain zeromq", refused=True)]
     guesser.setsockopt(zmq.PLAIN_USERNAME, b"learner")
     guesser.setsockopt(zmq.PLAIN_PASSWORD, b"0" * 64)
-    kept.append(send_from(guesser, endpoint, b"a guessed password"))
+    kept.append(send_from(guesser, endpoint, b"a guessed password", refused=True))
     assert heard(socket) == []
     if not cluster.uses_curve:  # the guess reached the ZAP handler and was counted
         assert refusals_counted(auth)
@@ -125,25 +137,39 @@ def test_a_peer_without_the_run_s_credentials_is_never_heard(cluster, server, cl
     assert heard(socket, 1) == [(b"still here", "generator")], f"refused: {auth.refused}"
 
 
+def generator_s_guesses(cluster: ClusterConfig, generator) -> set[bytes]:
+    """Every learner password a generator could try: what it is handed, what the keys
+    folder holds, and what the old scheme derived from them (``HMAC(secret, role)``)."""
+    found = {generator.passwords["generator"].encode()}
+    found |= {path.read_bytes().strip() for path in Path(cluster.keys_dir).iterdir()}
+    derived = {
+        hmac.new(secret, b"learner", hashlib.sha256).hexdigest().encode() for secret in found
+    }
+    return found | derived
+
+
 def test_a_generator_cannot_log_in_as_the_learner(tmp_path, clients):
-    generate_run_secret(tmp_path / "keys")
     cluster = ClusterConfig(keys_dir=str(tmp_path / "keys"))
+    run = provision(cluster)  # held by no one here: the server gets the buffer's share
     context = zmq.Context()
     socket = context.socket(zmq.ROUTER)
-    auth = secure_server(context, socket, cluster)
+    auth = secure_server(context, socket, cluster, run.for_role("buffer"))
     endpoint = f"tcp://127.0.0.1:{socket.bind_to_random_port('tcp://127.0.0.1')}"
-    # a generator knows its own password, not the secret: it can only claim a name
-    generator_password = role_password(
-        RunSecret(tmp_path / "keys" / RUN_SECRET).load(), "generator"
-    )
-    impostor = zmq.Context()
-    clients.append(impostor)
-    impostor.setsockopt(zmq.PLAIN_USERNAME, b"learner")
-    impostor.setsockopt(zmq.PLAIN_PASSWORD, generator_password)
-    _kept = send_from(impostor, endpoint, b"BatchRequest")
+    guesses = generator_s_guesses(cluster, run.for_role("generator"))
+    kept = []
     try:
+        for guess in guesses:
+            impostor = zmq.Context()
+            clients.append(impostor)
+            impostor.setsockopt(zmq.PLAIN_USERNAME, b"learner")
+            impostor.setsockopt(zmq.PLAIN_PASSWORD, guess)
+            kept.append(send_from(impostor, endpoint, b"BatchRequest", refused=True))
         assert heard(socket) == []
         assert refusals_counted(auth)
+        # the generator's own credentials still log it in, as a generator
+        clients.append(client_context(cluster, "generator", run.for_role("generator")))
+        kept.append(send_from(clients[-1], endpoint, b"WorkRequest"))
+        assert heard(socket, 1) == [(b"WorkRequest", "generator")]
     finally:
         socket.close(linger=0)
         auth.stop()

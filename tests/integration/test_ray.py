@@ -30,6 +30,7 @@ from asyncrl.ray_plan import (
     rank_env,
 )
 from asyncrl.ray_run import RayRun
+from asyncrl.security import provision_run
 from asyncrl.status import read_metrics
 from asyncrl.stop_signals import StopSignals
 
@@ -111,7 +112,9 @@ class FakeActor:
     def __init__(self, ray: FakeRay):
         info = {"ip": "10.0.0.9", "node_id": "abcdef12", "pid": 4242}
         self.start = SimpleNamespace(remote=lambda *args: FakeRef(info, done=True))
-        self.run = SimpleNamespace(remote=lambda argv, env: ray.started(self, argv))
+        self.run = SimpleNamespace(
+            remote=lambda argv, env, credentials: ray.started(self, argv, credentials)
+        )
 
 
 class FakeRay:
@@ -123,9 +126,12 @@ class FakeRay:
         self.script = script
         self.runs: list[tuple[FakeActor, list[str], FakeRef]] = []
         self.killed: list[FakeActor] = []
+        self.handed: list[tuple[list[str], str | None]] = []
+        """Each role run's argv and the credentials handed with the call."""
 
-    def started(self, actor: FakeActor, argv: list[str]) -> FakeRef:
+    def started(self, actor: FakeActor, argv: list[str], credentials: str | None) -> FakeRef:
         self.runs.append((actor, argv, FakeRef()))
+        self.handed.append((argv, credentials))
         return self.runs[-1][2]
 
     def run_of(self, name: str, restarts: int = 0) -> FakeRef:
@@ -210,6 +216,34 @@ def test_a_generator_whose_role_raises_gets_a_new_actor_with_restarts_1(tmp_path
     assert console.states == [("alive", 0), ("restarting", 0), ("restarting", 1), ("alive", 1)]
     log = (tmp_path / "logs" / "generator-0.log").read_text()
     assert log == "---- asyncrl launch: restart 1 ----\n"  # the fake actors write nothing
+
+
+def test_each_actor_is_handed_its_role_s_credentials_a_restarted_one_too(tmp_path):
+    config = load_config(QUICKSTART, ["cluster.backend=ray", "generators.replicas=1"])
+    config, credentials = provision_run(config, tmp_path)
+
+    def script(ray: FakeRay) -> None:
+        generator = ray.run_of("generator-0")
+        if not generator.done:
+            generator.finish(FakeTaskError(RuntimeError("boom")))
+        with contextlib.suppress(LookupError):
+            ray.run_of("generator-0", restarts=1)
+            ray.run_of("learner").finish()
+
+    ray = FakeRay(script)
+    (tmp_path / "logs").mkdir()
+    run = RayRun(ray, config, tmp_path, None, StopSignals(), credentials)
+    run.create_actors()
+    run.hand_out()
+    run.run_roles()
+    assert run.supervise(RecordingConsole()) is None
+    roles = [argv[0] for argv, _ in ray.handed]
+    assert roles == ["buffer", "learner", "generator", "generator"]  # the last: the restart
+    for argv, handed in ray.handed:
+        assert handed == credentials.for_role(argv[0]).to_json(), argv
+    assert credentials.passwords["learner"] not in "".join(h for _, h in ray.handed[2:])
+    learner_password = credentials.passwords["learner"]
+    assert not any(learner_password in json.dumps(member.env) for member in run.members)
 
 
 def test_the_buffer_stopping_still_fails_the_run_at_once(tmp_path):

@@ -4,6 +4,9 @@ Each server (the weights publisher, the buffer service) is checked against
 three peers: one with the run's keys, one speaking plain ZeroMQ, and one that
 knows the server's public key but holds a client key of its own. Only the
 first gets replies; the server goes on serving it after refusing the others.
+The test process holds every role's credentials (it plays them all); a
+generator machine holds only the files docs/security.md says to copy to it,
+and cannot act as the learner with them.
 """
 
 from __future__ import annotations
@@ -23,8 +26,18 @@ from running_buffer import RunningBuffer
 from zmq.auth.thread import AuthenticationThread
 
 from asyncrl.config import ClusterConfig, load_config
-from asyncrl.messages import WeightsRequest, WireError, WorkGrant, WorkRequest, decode, encode
-from asyncrl.security import CurveKeys, client_context, generate_keys
+from asyncrl.keys_folder import hold_every_role
+from asyncrl.messages import (
+    BatchRequest,
+    ErrorReply,
+    WeightsRequest,
+    WireError,
+    WorkGrant,
+    WorkRequest,
+    decode,
+    encode,
+)
+from asyncrl.security import CurveKeys, SecurityError, client_context, generate_keys
 from asyncrl.transport import client_socket, free_port, tcp
 from asyncrl.weights import WeightClient, WeightPublisher
 
@@ -37,7 +50,10 @@ REFUSED_WAIT_MS = 1000
 
 @pytest.fixture
 def keys(tmp_path) -> CurveKeys:
-    return CurveKeys(generate_keys(tmp_path / "run"))
+    """The run's keys, and every role's credentials held here (the learner's new)."""
+    directory = generate_keys(tmp_path / "run")
+    hold_every_role(ClusterConfig(keys_dir=str(directory), curve=True))
+    return CurveKeys(directory)
 
 
 @pytest.fixture
@@ -162,3 +178,29 @@ def test_the_buffer_answers_only_the_run_s_clients(curve_contexts, keys, caplog)
         finally:
             generator.close(linger=0)
     assert authenticators_alive() == 0
+
+
+GENERATOR_MACHINE_FILES = ("server.key", "client.key", "client.key_secret", "group.key")
+"""What docs/security.md (Multi-node: copying the keys) says a generator machine gets."""
+
+
+def test_a_generator_machine_s_keys_cannot_act_as_the_learner(keys, tmp_path):
+    machine = tmp_path / "generator-machine"
+    machine.mkdir(mode=0o700)
+    for name in GENERATOR_MACHINE_FILES:
+        shutil.copy(keys.directory / name, machine / name)
+    there = ClusterConfig(keys_dir=str(machine), curve=True)  # held by no one: only files
+    with pytest.raises(SecurityError, match="handed to the learner process alone"):
+        client_context(there, "learner")
+    assert not any("learner" in path.name for path in keys.directory.iterdir())
+    generator = client_context(there, "generator")
+    with running_buffer(keys) as buffer:
+        sock = client_socket(generator, buffer.endpoint, timeout_s=10.0)
+        try:  # admitted, as a generator: a learner's request is refused and counted
+            sock.send_multipart(encode(BatchRequest(policy_version=0)))
+            reply, _ = decode(sock.recv_multipart())
+            assert isinstance(reply, ErrorReply) and reply.reason == "forbidden"
+            assert buffer.service.rejected["forbidden"] == 1
+        finally:
+            sock.close(linger=0)
+            generator.destroy(linger=0)

@@ -244,9 +244,23 @@ def test_a_frozen_learner_or_buffer_stops_the_run_naming_it(tmp_path, frozen):
 
 
 REWARD_ONLY_IN_GENERATORS = """
-import sys
+from pathlib import Path
 
-if sys.argv[1:2] == ["generator"]:  # python -m asyncrl.roles generator RUN_DIR ...
+
+def under_a_generator() -> bool:
+    # the function is imported in a child of the role (a contained check, a reward
+    # worker), so walk up from this process: python -m asyncrl.roles generator RUN_DIR
+    # (/proc/self, not getpid(): the child may be in a PID namespace of its own)
+    process = "self"
+    while process not in ("0", "1"):
+        argv = Path(f"/proc/{process}/cmdline").read_bytes().split(b"\\0")
+        if argv[1:4] == [b"-m", b"asyncrl.roles", b"generator"]:
+            return True
+        process = Path(f"/proc/{process}/stat").read_text().rsplit(")", 1)[1].split()[1]
+    return False
+
+
+if under_a_generator():
     raise RuntimeError("this reward function cannot load in a generator")
 
 

@@ -20,6 +20,7 @@ import zmq
 
 from asyncrl import weights
 from asyncrl.config import ClusterConfig
+from asyncrl.keys_folder import hold_every_role
 from asyncrl.messages import (
     SCHEMA_VERSION,
     ErrorReply,
@@ -29,7 +30,7 @@ from asyncrl.messages import (
     decode,
     encode,
 )
-from asyncrl.security import client_context, generate_run_secret, role_password
+from asyncrl.security import client_context
 from asyncrl.transport import client_socket, free_port, tcp
 from asyncrl.weights import WeightClient, WeightPublisher, zmq_server
 
@@ -56,9 +57,11 @@ def publisher() -> Iterator[WeightPublisher]:
 
 @pytest.fixture
 def cluster(tmp_path) -> ClusterConfig:
-    """A loopback run with authentication: PLAIN with a per-run secret."""
-    generate_run_secret(tmp_path / "keys")
-    return ClusterConfig(keys_dir=str(tmp_path / "keys"))
+    """A loopback run with authentication (PLAIN, a password per role), every role's
+    credentials held by the test process."""
+    cluster = ClusterConfig(keys_dir=str(tmp_path / "keys"))
+    hold_every_role(cluster)
+    return cluster
 
 
 def state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -276,7 +279,7 @@ def test_only_generators_get_weights_when_authentication_is_on(cluster, caplog):
     contexts["none"] = zmq.Context()  # no credentials at all
     contexts["wrong"] = zmq.Context()  # a generator with a password of another run
     contexts["wrong"].setsockopt(zmq.PLAIN_USERNAME, b"generator")
-    contexts["wrong"].setsockopt(zmq.PLAIN_PASSWORD, role_password(b"0" * 64, "generator"))
+    contexts["wrong"].setsockopt(zmq.PLAIN_PASSWORD, b"0" * 64)
     try:
         sent = state()
         publisher.publish(sent, version=1)

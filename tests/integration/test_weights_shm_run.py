@@ -3,6 +3,7 @@ shared memory, or by the broadcast into their engines."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,11 +12,14 @@ import pytest
 from run_processes import processes_of
 
 from asyncrl.status import read_metrics
-from asyncrl.weights.shm import POINTER_FILE, SHM_DIR
+from asyncrl.weights.shm import NAME, POINTER_FILE, SHM_DIR
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
+SHARED_SEGMENT = re.compile(
+    rf"weights shared in memory: {re.escape(str(SHM_DIR))}/({NAME.pattern})"
+)
 
 
 def launch_quickstart(run_dir: Path, transport: str) -> list[dict]:
@@ -32,7 +36,6 @@ def launch_quickstart(run_dir: Path, transport: str) -> list[dict]:
 
 def test_the_quickstart_over_shared_memory_loads_its_weights_there(tmp_path):
     run_dir = tmp_path / "run"
-    segments_before = set(SHM_DIR.glob("asyncrl-*"))
     records = launch_quickstart(run_dir, "shm")
     assert [r["version"] for r in records] == list(range(1, 13))
     last = records[-1]
@@ -43,7 +46,11 @@ def test_the_quickstart_over_shared_memory_loads_its_weights_there(tmp_path):
     assert " over shm " in logs
     # the learner removed its segment and the record of it when it exited
     assert not (run_dir / POINTER_FILE).exists()
-    assert set(SHM_DIR.glob("asyncrl-*")) <= segments_before
+    # (its own segments, by the learner's log: tests running beside it may hold others)
+    learner_logs = "".join(p.read_text() for p in (run_dir / "logs").glob("learner*"))
+    ours = SHARED_SEGMENT.findall(learner_logs)
+    assert ours, learner_logs[-2000:]
+    assert not [name for name in ours if (SHM_DIR / name).exists()]
     assert processes_of(run_dir) == [], "the launcher left processes behind"
 
 

@@ -1,13 +1,19 @@
 """The bubblewrap command line of a sandboxed call, and what bwrap reports back.
 
 :func:`bwrap_command` builds the walls: new user, pid, network, ipc, uts and
-cgroup namespaces (no nested user namespaces), a minimal read-only filesystem
-(``/usr``, the links into it, ``/etc/ld.so.cache``, the interpreter's tree,
-package directories hidden), a fresh ``/proc`` and ``/dev``, private ``/tmp``
-and ``/dev/shm`` tmpfs, an empty environment, the seccomp filter and
-``--die-with-parent``/``--new-session``. bwrap's ``--json-status-fd``
-documents then say which namespaces it built (:func:`applied_layers`) or,
-missing, that it never started the code (:func:`setup_failure`).
+cgroup namespaces (no nested user namespaces), a minimal filesystem (``/usr``,
+the links into it, ``/etc/ld.so.cache``, the interpreter's tree, package
+directories hidden), a fresh ``/proc`` and ``/dev``, private ``/tmp`` and
+``/dev/shm`` tmpfs, an empty environment, the seccomp filter and
+``--die-with-parent``/``--new-session``. Every writable mount has a size: the
+root tmpfs bwrap builds (where ``/etc`` and the mount points live) and the
+``/dev`` tmpfs are remounted read-only once set up, so only ``/tmp``
+(``tmp_mb``) and ``/dev/shm`` (``shm_mb``) take writes. The interpreter runs
+as PID 1 (``--as-pid-1``: the prelude is the init, see :mod:`.limits`), and
+bwrap holds it on ``--block-fd`` until the caller has put it in the call's
+cgroup. bwrap's ``--json-status-fd`` documents say which namespaces it built
+and the host pid of the sandbox's PID 1 (:class:`StatusReader`), or, missing,
+that it never started the code (:func:`setup_failure`).
 """
 
 from __future__ import annotations
@@ -16,10 +22,11 @@ import json
 import logging
 import os
 import shutil
+import time
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.envs.sandbox.interpreter import interpreter_layout, root_links
-from asyncrl.envs.sandbox.process import read_all
+from asyncrl.envs.sandbox.process import read_all, readable
 from asyncrl.envs.sandbox.result import INSTALL_HINT
 
 if TYPE_CHECKING:
@@ -53,11 +60,18 @@ def bwrap_path(name: str) -> str | None:
 
 
 def bwrap_command(
-    sandbox: Sandbox, command: list[str], *, code_fd: int, filter_fd: int, status_fd: int
+    sandbox: Sandbox,
+    command: list[str],
+    *,
+    code_fd: int,
+    filter_fd: int,
+    status_fd: int,
+    block_fd: int,
 ) -> list[str]:
-    """bwrap's arguments to run ``command`` inside ``sandbox``'s walls; the code comes
-    from the memfd ``code_fd``, the seccomp filter from ``filter_fd``, and bwrap writes
-    its status documents to ``status_fd``."""
+    """bwrap's arguments to run ``command`` as PID 1 inside ``sandbox``'s walls; the
+    code comes from the memfd ``code_fd``, the seccomp filter from ``filter_fd``,
+    bwrap writes its status documents to ``status_fd`` and holds the command until
+    ``block_fd`` can be read."""
     binds, hidden = interpreter_layout(sandbox.python)
     # fmt: off
     args = [
@@ -65,7 +79,7 @@ def bwrap_command(
         "--unshare-all", "--unshare-user", "--disable-userns",
         "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
         "--hostname", "sandbox",
-        "--die-with-parent", "--new-session",
+        "--die-with-parent", "--new-session", "--as-pid-1",
         "--ro-bind", "/usr", "/usr",
         *root_links(),
         "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
@@ -80,7 +94,9 @@ def bwrap_command(
         "--dev", "/dev",
         "--size", str(sandbox.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp",
         "--size", str(sandbox.shm_mb * 1024 * 1024), "--tmpfs", "/dev/shm",
+        "--remount-ro", "/dev",
         "--file", str(code_fd), "/tmp/main.py",
+        "--remount-ro", "/",
         "--chdir", "/tmp",
         "--clearenv",
         "--setenv", "PATH", SANDBOX_PATH,
@@ -89,6 +105,7 @@ def bwrap_command(
         "--setenv", "LANG", "C.UTF-8",
         "--seccomp", str(filter_fd),
         "--json-status-fd", str(status_fd),
+        "--block-fd", str(block_fd),
         "--",
         *command,
     ]
@@ -96,24 +113,55 @@ def bwrap_command(
     return args
 
 
+class StatusReader:
+    """bwrap's ``--json-status-fd`` documents as they come: the host pid of the
+    sandbox's PID 1 first (:meth:`child_pid`), then the rest at the end
+    (:meth:`finish`). Only bwrap writes there: its child closes the pipe before
+    the sandbox runs anything."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.text = ""
+        self.status: dict[str, Any] = {}
+
+    def _parse(self) -> None:
+        decoder = json.JSONDecoder()
+        while True:
+            text = self.text.lstrip()
+            try:
+                document, end = decoder.raw_decode(text)
+            except ValueError:
+                self.text = text
+                return
+            self.text = text[end:]
+            if isinstance(document, dict):
+                self.status.update(document)
+
+    def child_pid(self, deadline: float) -> int | None:
+        """The host pid bwrap reports for the sandbox's PID 1 (it waits on
+        ``--block-fd`` then); None when bwrap exits first or the deadline passes."""
+        while "child-pid" not in self.status:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not readable(self.fd, remaining):
+                return None
+            chunk = os.read(self.fd, 65536)
+            if not chunk:
+                return None
+            self.text += chunk.decode("utf-8", "replace")
+            self._parse()
+        pid = self.status["child-pid"]
+        return pid if isinstance(pid, int) and pid > 0 else None
+
+    def finish(self) -> dict[str, Any]:
+        """Every document bwrap wrote, merged (what is in the pipe now)."""
+        self.text += read_all(self.fd).decode("utf-8", "replace")
+        self._parse()
+        return self.status
+
+
 def read_status(fd: int) -> dict[str, Any]:
     """bwrap's ``--json-status-fd`` documents, merged."""
-    status: dict[str, Any] = {}
-    decoder = json.JSONDecoder()
-    text = read_all(fd).decode("utf-8", "replace")
-    index = 0
-    while True:
-        while index < len(text) and text[index].isspace():
-            index += 1
-        if index >= len(text):
-            break
-        try:
-            document, index = decoder.raw_decode(text, index)
-        except ValueError:
-            break
-        if isinstance(document, dict):
-            status.update(document)
-    return status
+    return StatusReader(fd).finish()
 
 
 def started(status: dict[str, Any]) -> bool:
@@ -135,8 +183,11 @@ def setup_failure(status: dict[str, Any], stderr: str, returncode: int | None) -
     return f"the sandbox's interpreter did not start: {reason}"
 
 
-def applied_layers(status: dict[str, Any], *, separate_user: bool) -> tuple[str, ...]:
-    """``SandboxResult.layers`` of a call that ran: the namespaces bwrap reported."""
+def applied_layers(
+    status: dict[str, Any], *, separate_user: bool, call_cgroup: str
+) -> tuple[str, ...]:
+    """``SandboxResult.layers`` of a call that ran: the namespaces bwrap reported,
+    and the call's cgroup (``cgroup-v2``/``cgroup-v1``) when it had one."""
     layers = ["bubblewrap"]
     if separate_user:
         layers.append("separate-user")
@@ -144,7 +195,9 @@ def applied_layers(status: dict[str, Any], *, separate_user: bool) -> tuple[str,
     for key, name in NAMESPACE_KEYS:
         if key in status:
             layers.append(name)
-    layers += ["seccomp", "rlimits"]
+    layers += ["seccomp", "rlimits", "init"]
+    if call_cgroup != "none":
+        layers.append(call_cgroup)
     return tuple(layers)
 
 

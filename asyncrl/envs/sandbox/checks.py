@@ -2,29 +2,36 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import replace
 from typing import Any
 
+from asyncrl.envs.sandbox.cgroup_detect import cgroup_support
 from asyncrl.envs.sandbox.result import SandboxUnavailable
 from asyncrl.envs.sandbox.runner import Sandbox
+
+log = logging.getLogger("asyncrl.envs.sandbox")
 
 _CHECKED: set[Sandbox] = set()
 _CHECKED_LOCK = threading.Lock()
 
 
-def check_isolation(sandbox: Sandbox | None = None) -> None:
+def check_isolation(sandbox: Sandbox | None = None) -> str:
     """Raise :class:`SandboxUnavailable` (one line: what is wrong, how to fix it)
     unless ``sandbox`` (default ``Sandbox()``) can run code with the isolation it
     is configured for: the static checks of :meth:`Sandbox.unavailable`, then
     ``print(1)`` run in it once. Nothing to check for ``isolation="none"``. A
-    sandbox that passed is not probed again in this process."""
+    sandbox that passed is not probed again in this process. Returns (and logs)
+    the line saying what limits a call: by a cgroup of its own (v2 or v1), or
+    per process only."""
     sandbox = sandbox if sandbox is not None else Sandbox()
     if sandbox.isolation == "none":
-        return
+        return "no isolation (isolation=none): per-process rlimits only"
+    limits = limits_in_force(sandbox)
     with _CHECKED_LOCK:
         if sandbox in _CHECKED:
-            return
+            return limits
     problem = sandbox.unavailable()
     if problem is not None:
         raise SandboxUnavailable(f"the python tool's sandbox cannot run: {problem}")
@@ -41,6 +48,16 @@ def check_isolation(sandbox: Sandbox | None = None) -> None:
         raise SandboxUnavailable(f"the python tool's sandbox cannot run: {why}")
     with _CHECKED_LOCK:
         _CHECKED.add(sandbox)
+    log.info("python sandbox: checked; %s", limits)
+    return limits
+
+
+def limits_in_force(sandbox: Sandbox) -> str:
+    """One line: whether ``sandbox``'s calls are bounded as a whole (which cgroup
+    version and controllers) or per process only, and why."""
+    if sandbox.cgroup == "off":
+        return "no whole-call limits (Sandbox.cgroup='off'): limits are per process only"
+    return cgroup_support().describe()
 
 
 def check_isolation_for(config: Any) -> None:

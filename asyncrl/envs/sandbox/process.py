@@ -2,18 +2,23 @@
 
 :func:`collect_output` reads stdout and stderr until they close or the deadline
 passes, keeping at most ``max_output_bytes`` of each (the rest is read and
-discarded, so a flood of output neither blocks nor fills memory), then kills
-the process group, which takes everything the code started with it.
+discarded, so a flood of output neither blocks nor fills memory), then stops
+the call: by default it kills the process group; a bubblewrap call passes its
+:meth:`~asyncrl.envs.sandbox.launch.CallTree.stop`, which ends every process
+of the call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import select
 import selectors
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 
 
 def memfd(name: str, data: bytes) -> int:
@@ -35,6 +40,14 @@ def kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+def readable(fd: int, timeout_s: float) -> bool:
+    """Whether ``fd`` becomes readable within ``timeout_s`` (poll: any fd number,
+    where ``select`` stops at 1024)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(timeout_s, 0) * 1000))
+
+
 def read_all(fd: int) -> bytes:
     """What is in a pipe now, without waiting for writers that may linger."""
     data = b""
@@ -46,10 +59,15 @@ def read_all(fd: int) -> bytes:
 
 
 def collect_output(
-    proc: subprocess.Popen, deadline: float, max_output_bytes: int
+    proc: subprocess.Popen,
+    deadline: float,
+    max_output_bytes: int,
+    stop: Callable[[], None] | None = None,
 ) -> tuple[str, str, bool, bool]:
     """``(stdout, stderr, truncated, timed_out)``: both pipes read up to the output
-    limit until EOF or the deadline; the process group is killed in every case."""
+    limit until EOF or the deadline; ``stop`` (default: kill the process group)
+    is called in every case, before ``proc`` is reaped."""
+    stop_call = stop if stop is not None else functools.partial(kill_group, proc.pid)
     kept = {"stdout": bytearray(), "stderr": bytearray()}
     truncated = timed_out = False
     selector = selectors.DefaultSelector()
@@ -73,7 +91,7 @@ def collect_output(
                 buffer += chunk[: max(room, 0)]
             if proc.poll() is not None:
                 # Exited: stop anything it left behind, then drain what is left.
-                kill_group(proc.pid)
+                stop_call()
         if not timed_out:
             try:  # it may have closed its output and still be running
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.001))
@@ -81,7 +99,7 @@ def collect_output(
                 timed_out = True
     finally:
         selector.close()
-        kill_group(proc.pid)
+        stop_call()
         proc.wait()
         proc.stdout.close()
         proc.stderr.close()

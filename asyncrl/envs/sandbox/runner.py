@@ -2,14 +2,15 @@
 
 ``Sandbox(timeout_s=2, memory_mb=256).run("print(1 + 1)")`` returns a
 :class:`~asyncrl.envs.sandbox.result.SandboxResult`. With
-``isolation="bubblewrap"`` each call starts ``bwrap`` (:mod:`.bwrap`) with the
-seccomp filter (:mod:`.seccomp`) and the code in a memfd, as an unprivileged
-host user when this process is root; the prelude sets the rlimits
-(:mod:`.limits`); the output is read and capped, and the wall-clock limit kills
-the whole process group (:mod:`.process`). When bwrap is missing, cannot build
-its namespaces, or the filter cannot be built, the code is not run and the
-result says why: never weaker than configured. ``isolation="none"`` runs a
-plain subprocess with the rlimits, for trusted code only.
+``isolation="bubblewrap"`` each call runs under ``bwrap`` (:mod:`.launch`,
+:mod:`.bwrap`) with the seccomp filter (:mod:`.seccomp`), as an unprivileged
+host user when this process is root, the prelude as its PID 1 (:mod:`.limits`)
+and, where the machine allows, in a cgroup of its own (:mod:`.cgroups`); every
+process of the call is gone when :meth:`Sandbox.run` returns. When bwrap is
+missing, cannot build its namespaces, the filter cannot be built or a required
+cgroup cannot be made, the code is not run and the result says why: never
+weaker than configured. ``isolation="none"`` runs a plain subprocess with the
+rlimits, for trusted code only.
 
 Everything runs without ``preexec_fn``, so :meth:`Sandbox.run` is safe to call
 from several threads at once.
@@ -25,22 +26,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-from asyncrl.envs.sandbox.bwrap import (
-    SANDBOX_PATH,
-    SANDBOX_UID,
-    applied_layers,
-    bwrap_command,
-    bwrap_path,
-    child_returncode,
-    read_status,
-    setup_failure,
-    started,
-)
+from asyncrl.envs.sandbox.bwrap import SANDBOX_PATH, SANDBOX_UID, bwrap_path
+from asyncrl.envs.sandbox.cgroup_detect import CGROUP_ENV, CgroupSupport, cgroup_support
 from asyncrl.envs.sandbox.interpreter import default_python
+from asyncrl.envs.sandbox.launch import run_bubblewrap
 from asyncrl.envs.sandbox.limits import prelude_command, rlimits
-from asyncrl.envs.sandbox.process import collect_output, memfd, read_all
+from asyncrl.envs.sandbox.process import collect_output, read_all
 from asyncrl.envs.sandbox.result import INSTALL_HINT, SandboxResult, SandboxUnavailable, not_run
 from asyncrl.envs.sandbox.seccomp import seccomp_program
 
@@ -48,6 +41,8 @@ log = logging.getLogger("asyncrl.envs.sandbox")
 
 Isolation = Literal["bubblewrap", "none"]
 ISOLATIONS: tuple[str, ...] = ("bubblewrap", "none")
+CgroupPolicy = Literal["auto", "required", "off"]
+CGROUP_POLICIES: tuple[str, ...] = ("auto", "required", "off")
 
 
 @dataclass(frozen=True)
@@ -87,14 +82,29 @@ class Sandbox:
     the namespaces are then the only walls)."""
     group: int = SANDBOX_UID
     """Host gid ``bwrap`` runs as when this process is root."""
+    cpus: float = 1.0
+    """CPUs of bandwidth for a whole call (bubblewrap, in its cgroup): its CPU time
+    is at most ``cpus * timeout_s``."""
+    cgroup: CgroupPolicy = "auto"
+    """Whole-call limits (bubblewrap): ``auto`` puts each call in a cgroup of its own
+    where this machine allows (v2, else v1; else per-process limits only, logged);
+    ``required`` does not run code without one; ``off`` never uses one."""
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.memory_mb < 16 or self.max_output_bytes < 0:
             raise ValueError("sandbox: timeout_s > 0, memory_mb >= 16, max_output_bytes >= 0")
         if min(self.max_file_mb, self.tmp_mb, self.shm_mb) < 1:
             raise ValueError("sandbox: max_file_mb, tmp_mb and shm_mb must be >= 1")
-        if self.max_processes < 1 or self.max_open_files < 16:
-            raise ValueError("sandbox: max_processes >= 1, max_open_files >= 16")
+        if self.max_processes < 2 or self.max_open_files < 16:
+            raise ValueError(
+                "sandbox: max_processes >= 2 (the init and the code), max_open_files >= 16"
+            )
+        if self.cpus <= 0:
+            raise ValueError(f"sandbox: cpus must be > 0, got {self.cpus!r}")
+        if self.cgroup not in CGROUP_POLICIES:
+            raise ValueError(
+                f"sandbox: cgroup must be one of {', '.join(CGROUP_POLICIES)}, got {self.cgroup!r}"
+            )
         if self.isolation not in ISOLATIONS:
             raise ValueError(
                 f"sandbox: isolation must be 'bubblewrap' or 'none' (trusted code only), "
@@ -161,69 +171,14 @@ class Sandbox:
         problem = self.unavailable()
         if problem is not None:
             return not_run(problem)
-        program = seccomp_program()
-        uid, gid = self._sandbox_user()
-        fds: list[int] = []
-        try:
-            status_r, status_w = os.pipe()
-            report_r, report_w = os.pipe()
-            fds += [status_r, status_w, report_r, report_w]
-            code_fd = memfd("main.py", code.encode("utf-8", "replace"))
-            fds.append(code_fd)
-            filter_fd = memfd("seccomp", program)
-            fds.append(filter_fd)
-            config = {
-                "rlimits": self._rlimits(nproc=True),
-                "report_fd": report_w,
-                "main": "/tmp/main.py",
-            }
-            command = prelude_command(self.python, self.site_packages, config)
-            args = bwrap_command(
-                self, command, code_fd=code_fd, filter_fd=filter_fd, status_fd=status_w
+        cgroups = cgroup_support() if self.cgroup != "off" else CgroupSupport("none")
+        if cgroups.mode == "none" and (self.cgroup == "required" or os.environ.get(CGROUP_ENV)):
+            return not_run(
+                f"whole-call limits are required (Sandbox.cgroup={self.cgroup!r}, "
+                f"{CGROUP_ENV}={os.environ.get(CGROUP_ENV, '')!r}) but {cgroups.describe()}"
             )
-            user_args: dict[str, Any] = {}
-            if uid is not None:
-                user_args = {"user": uid, "group": gid, "extra_groups": []}
-            start = time.monotonic()
-            try:
-                proc = subprocess.Popen(
-                    args,
-                    cwd="/",
-                    env={"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"},
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    pass_fds=(status_w, report_w, code_fd, filter_fd),
-                    start_new_session=True,
-                    **user_args,
-                )
-            except OSError as exc:
-                as_user = f" as uid {uid} (Sandbox.user)" if uid is not None else ""
-                return not_run(f"could not start bubblewrap{as_user}: {exc}; {INSTALL_HINT}")
-            for fd in (status_w, report_w, code_fd, filter_fd):
-                os.close(fd)
-                fds.remove(fd)
-            deadline = start + self.timeout_s
-            out, err, truncated, timed_out = collect_output(proc, deadline, self.max_output_bytes)
-            duration = time.monotonic() - start
-            status = read_status(status_r)
-            reported = read_all(report_r)
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-        if not started(status) or reported != b"rlimits":
-            if timed_out:
-                return SandboxResult(out, err, proc.returncode, True, truncated, duration)
-            return not_run(setup_failure(status, err, proc.returncode))
-        layers = applied_layers(status, separate_user=uid is not None)
-        returncode = proc.returncode if timed_out else child_returncode(proc.returncode)
-        return SandboxResult(out, err, returncode, timed_out, truncated, duration, layers)
-
-        if not timed_out and returncode is not None and 128 < returncode <= 128 + 64:
-            # bwrap's reaper reports a child killed by signal N as 128 + N.
-            returncode = 128 - returncode
-        return SandboxResult(out, err, returncode, timed_out, truncated, duration, tuple(layers))
+        uid, gid = self._sandbox_user()
+        return run_bubblewrap(self, code, uid=uid, gid=gid, cgroups=cgroups)
 
     def _run_plain(self, code: str) -> SandboxResult:
         root = tempfile.mkdtemp(prefix="asyncrl-sandbox-")
@@ -236,6 +191,7 @@ class Sandbox:
                 "rlimits": self._rlimits(nproc=False),
                 "report_fd": report_w,
                 "main": main,
+                "init": False,
             }
             env = {"PATH": SANDBOX_PATH, "HOME": root, "TMPDIR": root, "LANG": "C.UTF-8"}
             start = time.monotonic()

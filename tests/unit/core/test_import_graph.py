@@ -52,13 +52,19 @@ LAYERS = [
             "asyncrl.wire",
             "asyncrl.weight_messages",
             "asyncrl.transport",
+            "asyncrl.message_limits",
+            "asyncrl.connection_guard",
             "asyncrl.security",
+            "asyncrl.credentials",
+            "asyncrl.keys_folder",
+            "asyncrl.signing",
             "asyncrl.paths",
             "asyncrl.weights",
             "asyncrl.weights.",
             "asyncrl.progress",
             "asyncrl.yaml_files",
             "asyncrl.machine",
+            "asyncrl.cores",  # which cores each role's process computes on
             "asyncrl.trajectory",
             "asyncrl.tracking",
             "asyncrl.stop_signals",  # every process that stops on a signal, roles included
@@ -70,12 +76,18 @@ LAYERS = [
         (
             "asyncrl.tasks",
             "asyncrl.data",
+            "asyncrl.data_files",
             "asyncrl.rewards",
             "asyncrl.rewards.",
             "asyncrl.envs",
             "asyncrl.envs.",
             "asyncrl.models",
+            "asyncrl.lora",  # the policy's LoRA adapters (peft)
             "asyncrl.char_tokenizer",
+            "asyncrl.process_tree",  # user code's processes: started, kept and killed together
+            "asyncrl.contained",
+            "asyncrl.plugin_check",
+            "asyncrl.plugin_check_child",
         ),
     ),
     Layer("roles", ("asyncrl.learner", "asyncrl.generators", "asyncrl.buffer")),

@@ -1,6 +1,6 @@
 """Endpoint security settings: when CURVE is required, the `asyncrl keys` command,
-launch refusing a reachable endpoint without keys before anything starts, and the
-per-run secret of a loopback run."""
+launch refusing a reachable endpoint without keys before anything starts, and what a
+run's keys folder holds (tests/unit/core/test_credentials.py: who is given what)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,15 @@ import pytest
 
 from asyncrl import cli
 from asyncrl.config import ConfigError, load_config
+from asyncrl.keys_folder import GROUP_KEY
 from asyncrl.security import (
     KEY_FILES,
-    ROLES,
-    RUN_SECRET,
-    RunSecret,
     SecurityError,
     client_context,
     curve_keys,
     generate_keys,
-    provision_run_secret,
+    provision_run,
     resolve_keys,
-    role_password,
 )
 
 QUICKSTART = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
@@ -107,9 +104,10 @@ def test_keys_command_writes_private_secrets_and_refuses_to_overwrite(tmp_path, 
     run_dir = tmp_path / "run"
     assert cli.main(["keys", str(run_dir)]) == 0
     keys = run_dir / "keys"
-    assert sorted(path.name for path in keys.iterdir()) == sorted(KEY_FILES)
+    # no learner keypair: the learner gets a new one at every launch, and no file
+    assert sorted(path.name for path in keys.iterdir()) == sorted([*KEY_FILES, GROUP_KEY])
     assert stat.S_IMODE(keys.stat().st_mode) == 0o700
-    for name in ("server.key_secret", "client.key_secret", "learner.key_secret"):
+    for name in ("server.key_secret", "client.key_secret"):
         assert stat.S_IMODE((keys / name).stat().st_mode) == 0o600
     first = {name: (keys / name).read_text() for name in KEY_FILES}
 
@@ -133,43 +131,56 @@ def test_authentication_is_on_by_default_and_cannot_be_dropped_beyond_loopback()
         cluster("cluster.curve=true", "cluster.auth=false")
 
 
-def test_a_loopback_run_gets_a_private_secret_that_survives_a_resume(tmp_path):
+def test_a_loopback_run_keeps_on_disk_only_what_a_process_started_by_hand_needs(tmp_path):
     config = load_config(QUICKSTART)
-    resolved = provision_run_secret(config, tmp_path / "run")
+    resolved, credentials = provision_run(config, tmp_path / "run")
     keys = tmp_path / "run" / "keys"
     assert resolved.cluster.keys_dir == str(keys)
-    secret = keys / RUN_SECRET
+    assert sorted(path.name for path in keys.iterdir()) == [
+        "generator.secret",
+        GROUP_KEY,
+        "observer.secret",
+    ]
     assert stat.S_IMODE(keys.stat().st_mode) == 0o700
-    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
-    first = RunSecret(secret).load()
-    assert len(first) == 64
-    provision_run_secret(resolved, tmp_path / "run")  # a resume: the same secret
-    assert RunSecret(secret).load() == first
-    provision_run_secret(config, tmp_path / "other")
-    assert RunSecret(tmp_path / "other" / "keys" / RUN_SECRET).load() != first
+    for name in ("generator.secret", "observer.secret"):
+        assert stat.S_IMODE((keys / name).stat().st_mode) == 0o600
+        assert (keys / name).read_text().strip() == credentials.passwords[name.split(".")[0]]
+    on_disk = b"".join(path.read_bytes() for path in keys.iterdir())
+    assert credentials.passwords["learner"].encode() not in on_disk
+    assert credentials.group_seeds["learner"].encode() not in on_disk
 
 
-def test_a_run_with_authentication_off_gets_no_secret(tmp_path, caplog):
+def test_a_resume_keeps_the_generators_credentials_and_makes_the_learner_s_anew(tmp_path):
+    config = load_config(QUICKSTART)
+    resolved, first = provision_run(config, tmp_path / "run")
+    (tmp_path / "run" / "keys" / "run.secret").write_text("0" * 64)  # an older asyncrl's
+    _, resumed = provision_run(resolved, tmp_path / "run")
+    for role in ("generator", "observer"):  # a generator that joined by hand goes on
+        assert resumed.passwords[role] == first.passwords[role]
+    assert resumed.passwords["learner"] != first.passwords["learner"]
+    assert resumed.group_publics["learner"] != first.group_publics["learner"]
+    group_key = (tmp_path / "run" / "keys" / GROUP_KEY).read_text().strip()
+    assert group_key == resumed.group_publics["learner"]
+    assert not (tmp_path / "run" / "keys" / "run.secret").exists()
+    _, other = provision_run(config, tmp_path / "other")
+    assert other.passwords["generator"] != first.passwords["generator"]
+
+
+def test_a_run_with_authentication_off_gets_no_credentials(tmp_path, caplog):
     config = load_config(QUICKSTART, ["cluster.auth=false"])
-    assert provision_run_secret(config, tmp_path / "run") is config
+    assert provision_run(config, tmp_path / "run") == (config, None)
     assert not (tmp_path / "run").exists()
     assert "any process on this machine may speak" in caplog.text
 
 
-def test_each_role_has_its_own_password():
-    secret = b"0" * 64
-    passwords = {role: role_password(secret, role) for role in ROLES}
-    assert len(set(passwords.values())) == len(ROLES)
-    assert role_password(b"1" * 64, "learner") != passwords["learner"]
-    assert all(secret not in password for password in passwords.values())
-
-
-def test_a_role_without_the_run_secret_is_told_how_to_get_it(tmp_path):
+def test_a_role_without_its_credentials_is_told_how_to_get_them(tmp_path):
     config = load_config(QUICKSTART, [f"cluster.keys_dir={tmp_path}"])
-    with pytest.raises(SecurityError, match=r"run\.secret is missing: start the run with"):
+    with pytest.raises(SecurityError, match=r"generator\.secret are missing: start the run with"):
         client_context(config.cluster, "generator")
-    (tmp_path / RUN_SECRET).write_text("short\n")
-    with pytest.raises(SecurityError, match="holds no secret"):
+    (tmp_path / "generator.secret").write_text("short\n")
+    with pytest.raises(SecurityError, match="holds no password"):
         client_context(config.cluster, "generator")
+    with pytest.raises(SecurityError, match="handed to the learner process alone"):
+        client_context(config.cluster, "learner")
     with pytest.raises(ValueError, match="unknown role 'admin'"):
         client_context(config.cluster, "admin")

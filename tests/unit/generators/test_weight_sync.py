@@ -10,6 +10,7 @@ import zmq
 from asyncrl.generators.weight_sync import WeightSync
 from asyncrl.weight_messages import WEIGHT_SYNC_STATS
 from asyncrl.weights import WeightClient
+from asyncrl.weights.checks import WeightsRefused
 from asyncrl.weights.source import Loaded, PathUnavailable, WeightTransferError
 from asyncrl.weights.zmq_source import ZmqSource
 
@@ -167,3 +168,48 @@ def test_the_shm_paths_overlaps_and_follows_reach_the_stats_the_buffer_accepts()
         "weights_shm_followed": 1.0,
     }
     assert set(chain.stats()) <= WEIGHT_SYNC_STATS
+
+
+class Refuses:
+    """A path whose version fails the replica's checks (a slot holding NaN)."""
+
+    def __init__(self, name: str, partial: bool = False):
+        self.name, self.partial = name, partial
+        self.counters = {"refused_nonfinite": 1}  # counted by the path, as the real ones do
+
+    def sync_into(self, backend, have_version, deadline):
+        raise WeightsRefused(
+            f"{self.name} v4: refused: tensor 'w' holds NaN",
+            reason="nonfinite",
+            partial=self.partial,
+        )
+
+    def close(self):
+        pass
+
+
+def test_a_version_every_path_refuses_leaves_the_replica_serving_what_it_holds():
+    chain = WeightSync([Refuses("shm"), Refuses("zmq")], deadline_s=5.0, replica="gen-0")
+    engine = Engine(3)
+    assert chain.sync(engine) is None  # no exit, so no restart and no crash loop
+    assert engine.version == 3
+    stats = chain.stats()
+    assert stats["weights_refused"] == 2.0 and stats["weights_zmq_refused_nonfinite"] == 1.0
+    assert stats["weights_fallbacks"] == 1.0 and "weights_transfer_failures" not in stats
+    assert set(stats) <= WEIGHT_SYNC_STATS
+
+
+def test_a_version_one_path_refuses_is_loaded_from_the_next():
+    chain = WeightSync([Refuses("shm"), Loads("zmq", 4)], deadline_s=5.0, replica="gen-0")
+    loaded = chain.sync(Engine(3))
+    assert (loaded.version, loaded.path) == (4, "zmq")
+    assert chain.stats()["weights_shm_refused_nonfinite"] == 1.0
+
+
+def test_a_refusal_that_left_a_mix_no_path_repairs_still_raises():
+    chain = WeightSync(
+        [Refuses("collective", partial=True), Refuses("zmq")], deadline_s=5.0, replica="gen-0"
+    )
+    with pytest.raises(WeightTransferError, match="every weight path failed") as caught:
+        chain.sync(Engine(3))
+    assert caught.value.partial  # never generate with a mix: the replica exits

@@ -29,6 +29,9 @@ _spec.loader.exec_module(cases)
 
 GOLDEN = torch.load(cases.FIXTURE, weights_only=True)
 SAME_PLATFORM = GOLDEN["platform"] == cases.platform_tag()
+WEIGHT_RTOL = 1e-4
+"""Off the recording's platform, how far a weight's sums may move, as a share of its
+absolute sum (two AdamW steps round differently with other CPU kernels)."""
 
 
 def assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -46,6 +49,13 @@ def assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor])
                 differ.append(f"{key}: max |diff| {(have.double() - want.double()).abs().max()}")
         elif key.endswith("/sha256"):
             continue  # bytes of another platform's weights: the sums stand in for them
+        elif key.startswith("weights/"):
+            # A weight's signed sum cancels, so its rounding is relative to the weight's
+            # mass (its absolute sum), not to the sum itself: on an AVX2 CPU against the
+            # AVX-512 recording, sums of 0.03 moved by 1e-5 where the mass was 0.3-50.
+            mass = expected[key.rsplit("/", 1)[0] + "/abs_sum"].double()
+            if (have.double() - want.double()).abs() > WEIGHT_RTOL * mass:
+                differ.append(f"{key}: |diff| {(have.double() - want.double()).abs():.3g}")
         elif not torch.allclose(have.double(), want.double(), rtol=1e-5, atol=1e-6, equal_nan=True):
             differ.append(key)
     assert not differ, f"{len(differ)} of {len(expected)} differ: " + "; ".join(differ[:10])

@@ -3,6 +3,7 @@ and, for data, the file and row; a reward function is called in a worker process
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import string
 from pathlib import Path
@@ -282,6 +283,20 @@ def test_machine_problems_are_listed_unless_asked_not_to(monkeypatch):
     config = load_config(None, ["model.tiny={}"])
     assert problems_of(config) == ["learner.device=cuda, but no GPU"]
     preflight(config, machine=False)
+
+
+def test_lora_without_peft_installed_is_named_before_any_process_starts(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "peft" else find_spec(name, *a),
+    )
+    config = load_config(None, ["model.tiny={}", "model.lora.rank=4"])
+    assert problems_of(config) == [
+        "model.lora: needs peft, not installed here: pip install 'asyncrl[lora]'"
+    ]
+    preflight(load_config(None, ["model.tiny={}"]))  # without model.lora: no problem
 
 
 # --------------------------------------------------------------------------

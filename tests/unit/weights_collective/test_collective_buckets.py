@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from asyncrl.messages import TensorEntry
+from asyncrl.signing import SIGNATURE_BYTES, group_key_pair
 from asyncrl.weights.collective_buckets import (
+    Accept,
     Ask,
     Bucket,
     BucketTensor,
@@ -25,7 +27,8 @@ from asyncrl.weights.collective_receiver import bucket_views
 from asyncrl.weights.shm import aligned_layout
 from asyncrl.weights.source import WeightTransferError
 
-KEY = b"k" * 32
+LEARNER, REPLICA = group_key_pair(b"L" * 32, b"G" * 32)
+"""The two sides of one group: each signs with its own key, checks the other's."""
 
 
 def entries() -> list[TensorEntry]:
@@ -127,26 +130,46 @@ def test_an_optional_tensor_may_be_missing():
 
 
 def test_a_sealed_message_opens_only_with_its_key_and_context():
-    data = seal(Ask(7), KEY, "ask:1:0")
-    assert unseal(data, KEY, "ask:1:0", Ask) == Ask(7)
+    data = seal(Ask(7), REPLICA, "ask:1:0")
+    assert unseal(data, LEARNER, "ask:1:0", Ask) == Ask(7)
+    other_run, _ = group_key_pair(b"X" * 32, b"Y" * 32)
     with pytest.raises(WeightTransferError, match="forged or misdirected"):
-        unseal(data, b"x" * 32, "ask:1:0", Ask)  # another run's key
+        unseal(data, other_run, "ask:1:0", Ask)  # another run's key
     with pytest.raises(WeightTransferError, match="forged or misdirected"):
-        unseal(data, KEY, "ask:1:1", Ask)  # replayed to the next ask
+        unseal(data, LEARNER, "ask:1:1", Ask)  # replayed to the next ask
     flipped = data[:-1] + bytes([data[-1] ^ 1])
     with pytest.raises(WeightTransferError, match="forged or misdirected"):
-        unseal(flipped, KEY, "ask:1:0", Ask)
+        unseal(flipped, LEARNER, "ask:1:0", Ask)
     with pytest.raises(WeightTransferError, match="got Ask"):
-        unseal(data, KEY, "ask:1:0", Offer | UpToDate)
+        unseal(data, LEARNER, "ask:1:0", Offer | UpToDate)
     with pytest.raises(WeightTransferError, match="a 3-byte message"):
-        unseal(b"abc", KEY, "ask:1:0", Ask)
+        unseal(b"abc", LEARNER, "ask:1:0", Ask)
+
+
+def test_a_replica_s_key_cannot_speak_as_the_learner():
+    """Every generator holds the replicas' key: what it signs must never pass for the
+    learner's (an Accept seating it as rank 0, an Offer of its own version)."""
+    learner_says = {
+        "accept:" + "n" * 32: Accept(5, "n" * 32, 2),
+        "reply:1:0": offer(),
+        "reply:1:1": UpToDate(9),
+    }
+    for context, message in learner_says.items():
+        genuine = seal(message, LEARNER, context)
+        assert unseal(genuine, REPLICA, context, type(message)) == message
+        forged = seal(message, REPLICA, context)
+        with pytest.raises(WeightTransferError, match="forged or misdirected"):
+            unseal(forged, REPLICA, context, type(message))
+    # and the learner does not take its own words back as a replica's
+    with pytest.raises(WeightTransferError, match="forged or misdirected"):
+        unseal(seal(Ask(3), LEARNER, "ask:1:0"), LEARNER, "ask:1:0", Ask)
 
 
 def test_without_a_key_messages_still_decode_strictly():
     data = seal(UpToDate(4), None, "reply:0:0")
     assert unseal(data, None, "reply:0:0", UpToDate) == UpToDate(4)
     with pytest.raises(WeightTransferError, match="malformed"):
-        unseal(bytes(32) + b"\x93\x01\x02", None, "reply:0:0", UpToDate)
+        unseal(bytes(SIGNATURE_BYTES) + b"\x93\x01\x02", None, "reply:0:0", UpToDate)
 
 
 def test_bucket_views_read_each_tensor_where_the_header_puts_it():

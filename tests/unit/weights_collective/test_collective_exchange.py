@@ -7,8 +7,9 @@ from collections import Counter
 
 import pytest
 import torch
-from collective_testing import KEY, running_replica, version_tensors
+from collective_testing import LEARNER_KEY, running_replica, version_tensors
 
+from asyncrl.signing import group_key_pair
 from asyncrl.weights.collective import JOIN_QUEUE, connect_store
 from asyncrl.weights.collective_buckets import JoinRequest, seal
 from asyncrl.weights.collective_sender import CollectiveSender
@@ -29,7 +30,7 @@ def ask(pipe, *command):
 def sender():
     snapshots = SnapshotStore(1 << 20, Counter())
     made = CollectiveSender(
-        snapshots, "127.0.0.1", 0, KEY, bucket_bytes=BUCKET_BYTES, deadline_s=30.0
+        snapshots, "127.0.0.1", 0, LEARNER_KEY, bucket_bytes=BUCKET_BYTES, deadline_s=30.0
     )
     yield made
     made.close()
@@ -67,7 +68,8 @@ def test_two_versions_reach_the_replica_exactly_and_nothing_when_up_to_date(send
 @pytest.mark.timeout(60)
 def test_a_join_request_signed_with_another_key_is_refused_and_counted(sender):
     client = connect_store(sender.address, 5.0)
-    forged = seal(JoinRequest("intruder", "0" * 32, 2), b"not the run's key", "join")
+    stranger, _ = group_key_pair(b"S" * 32, b"T" * 32)  # keys of no side of this group
+    forged = seal(JoinRequest("intruder", "0" * 32, 2), stranger, "join")
     client.queue_push(JOIN_QUEUE, forged)
     for _ in range(100):
         if sender.stats().get("weights_collective_joins_refused_total"):

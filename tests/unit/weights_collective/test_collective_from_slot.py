@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
-from collective_testing import KEY, command, running_replica, version_tensors, wait_for
+from collective_testing import LEARNER_KEY, command, running_replica, version_tensors, wait_for
 
 import asyncrl.weights.collective_outgoing as outgoing
 import asyncrl.weights.shm_writer as shm_writer
@@ -49,7 +49,7 @@ def learner(tmp_path):
         zmq.snapshots,
         "127.0.0.1",
         0,
-        KEY,
+        LEARNER_KEY,
         bucket_bytes=BUCKET_BYTES,
         deadline_s=30.0,
         run_dir=tmp_path,
