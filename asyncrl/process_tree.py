@@ -110,6 +110,17 @@ def kill_tree(root: int | psutil.Process, *, include_root: bool = True) -> int:
     return len(victims)
 
 
+def end_survivors(processes: list[psutil.Process], grace_s: float) -> int:
+    """Wait up to ``grace_s`` for ``processes`` (taken while they ran, so a reused pid is
+    never signalled) to exit, then SIGKILL those still running; the number killed."""
+    _, alive = psutil.wait_procs(processes, timeout=grace_s)
+    survivors = [process for process in alive if _alive(process)]
+    for process in survivors:
+        _signal(process, signal.SIGKILL)
+    psutil.wait_procs(survivors, timeout=grace_s)
+    return len(survivors)
+
+
 def _alive(process: psutil.Process) -> bool:
     try:
         return process.status() != psutil.STATUS_ZOMBIE

@@ -21,14 +21,18 @@ metrics, checkpoints); see docs/ray.md.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from asyncrl.closing import see_through
 from asyncrl.config import Config
 from asyncrl.credentials import Credentials
+from asyncrl.process_tree import end_survivors
 from asyncrl.ray_placement import RayLaunchError
 from asyncrl.ray_plan import check_resources, local_num_cpus, local_resources
 from asyncrl.ray_run import RayRun
@@ -36,6 +40,10 @@ from asyncrl.stop_signals import StopSignals
 
 OBJECT_STORE_BYTES = 200 * 1024**2
 """A local Ray's object store: the roles move their data over ZeroMQ, not through Ray."""
+LOCAL_RAY_GRACE_S = 10.0
+"""How long a local Ray's processes (its actors' workers above all) get to exit after
+``ray.shutdown()`` before the driver kills them: a worker notices its raylet is gone
+only at its next poll, late on a busy machine."""
 LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
 """Set (unless already set) before importing ray: a local Ray then lives on 127.0.0.1
 rather than on this machine's network address (Ray's own switch for single-machine
@@ -60,6 +68,7 @@ def launch_ray(
             print(f"  {problem}", file=sys.stderr)
         return 2
     run_dir = run_dir.resolve()
+    before = {child.pid for child in psutil.Process().children()}
     try:
         ray = _connect(config)
     except RayLaunchError as error:
@@ -86,7 +95,28 @@ def launch_ray(
                     ended="stopped",
                 )
     finally:
+        # a local Ray is this run's own: the driver's children since ray.init (GCS, raylet)
+        # and theirs (the actors' workers), listed before the shutdown, ended if they outlive it
+        ours = _started_since(before) if config.cluster.address is None else []
         ray.shutdown()
+        if killed := end_survivors(ours, LOCAL_RAY_GRACE_S):
+            print(
+                f"asyncrl: ray: {killed} process(es) of the local Ray outlived its shutdown "
+                f"by {LOCAL_RAY_GRACE_S:g} s; killed them",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _started_since(before: set[int]) -> list[psutil.Process]:
+    """The driver's children not in ``before`` and every process below them."""
+    found = []
+    for child in psutil.Process().children():
+        if child.pid not in before:
+            found.append(child)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                found += child.children(recursive=True)
+    return found
 
 
 def _connect(config: Config) -> Any:
