@@ -37,6 +37,9 @@ def whole(batch: TrainBatch) -> MicroBatch:
     return MicroBatch(torch.arange(batch.num_samples), batch.input_ids.shape[1])
 
 
+LR = float(next(o for o in TINY_LEARNER if o.startswith("learner.lr=")).split("=")[1])
+
+
 def make_learner(ranks: Ranks, *overrides: str) -> Learner:
     config = load_config(None, [*TINY_LEARNER, *overrides])
     torch.manual_seed(config.run.seed)
@@ -121,8 +124,13 @@ def test_learner_steps_packed_equal_the_padded_steps(ranks: Ranks, overrides: li
         assert packed.pop("learner_positions") < padded.pop("learner_positions")
         for key in padded:
             assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-5), key
-    for name, tensor in padded_weights.items():  # AdamW turns rounding into steps of up to lr
-        torch.testing.assert_close(packed_weights[name], tensor, atol=1e-4, rtol=1e-4)
+    # AdamW divides by the gradient's own size, so a rounding difference in a near-zero
+    # gradient moves that weight by up to lr (0.01 here): a few weights may differ by a
+    # fraction of lr, but a packing error would move many of them
+    for name, tensor in padded_weights.items():
+        difference = (packed_weights[name] - tensor).abs()
+        assert difference.max() <= 0.1 * LR, name
+        assert (difference > 1e-5).float().mean() <= 0.01, name
 
 
 def test_a_model_that_reads_packed_input_differently_is_not_packed(ranks: Ranks, monkeypatch):
