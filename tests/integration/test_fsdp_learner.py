@@ -75,7 +75,7 @@ def test_a_gguf_policy_checkpoints_and_exports_like_any_other(tmp_path, smollm2_
 
     source = [f"model.name_or_path={smollm2_gguf}", "model.tiny=null", "learner.lr=1e-4"]
     source += ["--no-publish"]
-    unbroken = train(tmp_path / "unbroken", 2, *source, "--save-at", "1", "--export")
+    unbroken = train(tmp_path / "unbroken", 1, *source, "--save-at", "1", "--export")
     checkpoint = tmp_path / "unbroken" / "checkpoint"
     assert (checkpoint / "COMPLETE").exists()
 

@@ -148,8 +148,23 @@ def test_a_restarted_generator_runs_the_launch_config_not_config_yaml(tmp_path, 
         assert handed is not None and json.loads(handed) == launched
     records = read_metrics(run.run_dir)
     assert [r["version"] for r in records] == list(range(1, 21))
-    assert records[-1]["generators_restarts_total"] == 1  # the restarted process did the work
+    # the new process ran `--restarts 1` (replica gen-0-r1), which the buffer counted
+    assert records[-1]["generators_restarts_total"] == 1
+    assert records[-1]["pool_default_restarts_total"] == 1
+    trained = [json.loads(line) for line in (run.run_dir / "trained_groups.jsonl").open()]
+    assert sorted(r["step"] for r in trained) == list(range(20))
+    groups = [group for record in trained for group in record["group_ids"]]
+    assert len(set(groups)) == len(groups), "a group trained twice"
     assert processes_of(run.run_dir) == []
+    if backend == "ray":  # the killed actor's output, the driver's marker, the new actor's
+        assert "asyncrl: actor generator-0 on 127.0.0.1: " in run.stderr()
+        assert "restarting it in 1s; last lines of" in run.stderr()
+        log = (run.run_dir / "logs" / "generator-0.log").read_text()
+        before, after = log.split("---- asyncrl launch: restart 1 ----\n")
+        pid = re.compile(r"asyncrl: ray actor generator-0: pid (\d+)")
+        assert pid.findall(before) == [str(victim.pid)]
+        assert len(pid.findall(after)) == 1 and pid.findall(after) != [str(victim.pid)]
+        assert (run.run_dir / "final" / "config.json").exists()
 
 
 # ------------------------------------------------------------------ the sockets
