@@ -7,6 +7,12 @@ writes ``OUT.png`` and ``OUT.json``: the eval rounds (policy version, reward,
 minutes since launch, samples trained so far), the first and best eval reward,
 and the first round at least ``--rise`` above the first one with its wall time.
 Reads RUN_DIR/metrics.jsonl only, so it works on a finished run or a live one.
+
+``--beside LABEL=JSON`` (repeatable) draws the eval rounds of another run's
+``OUT.json`` on the same axes, to compare two configurations side by side:
+
+    python benchmarks/learning_curve.py runs/lora --out docs/benchmarks/smollm2_arithmetic_lora \
+        --label LoRA --beside "full fine-tuning=docs/benchmarks/smollm2_arithmetic.json"
 """
 
 from __future__ import annotations
@@ -59,7 +65,25 @@ def summarise(rounds: list[dict], rise: float) -> dict:
     }
 
 
-def plot(records: list[dict], rounds: list[dict], title: str, path: Path) -> None:
+def beside_runs(specs: list[str]) -> dict[str, list[dict]]:
+    """``LABEL=PATH`` of summaries this script wrote: each label's eval rounds."""
+    found = {}
+    for spec in specs:
+        label, separator, path = spec.partition("=")
+        if not separator or not label or not path:
+            raise SystemExit(f"--beside {spec!r}: give LABEL=PATH of a summary JSON")
+        found[label] = json.loads(Path(path).read_text())["rounds"]
+    return found
+
+
+def plot(
+    records: list[dict],
+    rounds: list[dict],
+    title: str,
+    path: Path,
+    label: str = "",
+    beside: dict[str, list[dict]] | None = None,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -74,8 +98,18 @@ def plot(records: list[dict], rounds: list[dict], title: str, path: Path) -> Non
         (axes[0], minutes, [r["minutes"] for r in rounds], "minutes since launch"),
         (axes[1], samples, [r["trained_samples"] for r in rounds], "samples trained"),
     ):
-        axis.plot(x, train, label="training reward (mean of 10 steps)", alpha=0.7)
-        axis.plot(ex, [r["reward"] for r in rounds], "o-", label="held-out eval reward")
+        prefix = f"{label}: " if label else ""
+        axis.plot(x, train, label=f"{prefix}training reward (mean of 10 steps)", alpha=0.7)
+        axis.plot(ex, [r["reward"] for r in rounds], "o-", label=f"{prefix}held-out eval reward")
+        for other, other_rounds in (beside or {}).items():
+            key = "minutes" if axis is axes[0] else "trained_samples"
+            axis.plot(
+                [r[key] for r in other_rounds],
+                [r["reward"] for r in other_rounds],
+                "s--",
+                alpha=0.8,
+                label=f"{other}: held-out eval reward",
+            )
         axis.set_xlabel(label)
         axis.grid(alpha=0.3)
     axes[0].set_ylabel("reward")
@@ -91,14 +125,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="path without suffix")
     parser.add_argument("--rise", type=float, default=0.15)
     parser.add_argument("--title", default=None)
+    parser.add_argument("--label", default="", help="this run's name in the legend")
+    parser.add_argument(
+        "--beside", action="append", default=[], metavar="LABEL=JSON",
+        help="another run's summary (this script's OUT.json) drawn on the same axes",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    beside = beside_runs(args.beside)
     records = read_records(args.run_dir)
     rounds = eval_rounds(records)
     summary = summarise(rounds, args.rise)
     summary["run_dir"] = str(args.run_dir)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot(records, rounds, args.title or args.run_dir.name, args.out.with_suffix(".png"))
+    title = args.title or args.run_dir.name
+    plot(records, rounds, title, args.out.with_suffix(".png"), args.label, beside)
     first, best = summary["first"], summary["best"]
     print(
         f"eval reward {first['reward']:.3f} at v{first['version']} -> best "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
-from learning_curve import eval_rounds, summarise
+from learning_curve import beside_runs, eval_rounds, summarise
 
 
 def _step(step, reward=None, version=None, samples=0):
@@ -49,3 +50,12 @@ def test_summary_names_first_best_and_the_first_round_that_rose_enough():
 def test_a_run_without_eval_is_an_error():
     with pytest.raises(ValueError, match="no eval round"):
         summarise(eval_rounds([_step(0), _step(1)]), rise=0.15)
+
+
+def test_another_run_beside_is_read_from_its_summary_and_a_bad_spec_is_named(tmp_path):
+    summary = tmp_path / "full.json"
+    summary.write_text(json.dumps(summarise(eval_rounds(RECORDS), rise=0.15)))
+    beside = beside_runs([f"full fine-tuning={summary}"])
+    assert [r["version"] for r in beside["full fine-tuning"]] == [0, 2, 4, 5]
+    with pytest.raises(SystemExit, match="LABEL=PATH"):
+        beside_runs([str(summary)])
