@@ -156,7 +156,19 @@ def test_a_restarted_generator_runs_the_launch_config_not_config_yaml(tmp_path, 
     groups = [group for record in trained for group in record["group_ids"]]
     assert len(set(groups)) == len(groups), "a group trained twice"
     assert processes_of(run.run_dir) == []
-    if backend == "ray":  # the killed actor's output, the driver's marker, the new actor's
+    if backend == "ray":
+        # a local Ray for the run, on loopback, every role placed and logging
+        stdout = run.out.read_text()
+        assert "ray: started a local Ray" in stdout
+        assert "ray: endpoints on 127.0.0.1; node 127.0.0.1 (" in stdout
+        assert "): buffer, learner, generator-0" in stdout
+        saved = yaml.safe_load((run.run_dir / "config.yaml").read_text())["cluster"]
+        assert saved["backend"] == "ray" and saved["host"] == "127.0.0.1"
+        assert saved["buffer_port"] > 0 and saved["weights_port"] > 0
+        for name in ("buffer", "learner", "generator-0"):
+            assert (run.run_dir / "logs" / f"{name}.log").stat().st_size > 0, name
+        assert records[-1]["generators_weight_swaps_total"] > 0
+        # the killed actor's output, the driver's marker, the new actor's
         assert "asyncrl: actor generator-0 on 127.0.0.1: " in run.stderr()
         assert "restarting it in 1s; last lines of" in run.stderr()
         log = (run.run_dir / "logs" / "generator-0.log").read_text()
@@ -164,6 +176,7 @@ def test_a_restarted_generator_runs_the_launch_config_not_config_yaml(tmp_path, 
         pid = re.compile(r"asyncrl: ray actor generator-0: pid (\d+)")
         assert pid.findall(before) == [str(victim.pid)]
         assert len(pid.findall(after)) == 1 and pid.findall(after) != [str(victim.pid)]
+        assert "loaded weights" in after  # the new actor's replica took new versions
         assert (run.run_dir / "final" / "config.json").exists()
 
 
