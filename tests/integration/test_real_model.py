@@ -42,7 +42,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs/smollm2_arithmetic.yaml"
 REWARD = REPO / "examples/arithmetic/reward.py"
-STEPS = 3
+STEPS = 2
 PROMPTS_PER_STEP = 2
 GROUP_SIZE = 4
 """Samples per prompt (8 in configs/smollm2_arithmetic.yaml): 8 samples a step, as few as
