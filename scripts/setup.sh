@@ -28,6 +28,22 @@ fi
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 # shellcheck disable=SC1091
 . .venv/bin/activate
+
+# Done before with these extras (or more) and this pyproject.toml: nothing to install.
+# The stamp names the pyproject's hash and the extras installed with it.
+stamp=.venv/.asyncrl-setup
+wanted="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(head -1 "$stamp")" = "$wanted" ] && python -c "import asyncrl, torch" 2>/dev/null; then
+  missing=""
+  for extra in ${extras//,/ }; do
+    grep -qx "$extra" <(tail -n +2 "$stamp") || missing="$missing $extra"
+  done
+  if [ -z "$missing" ]; then
+    echo "asyncrl is set up in .venv already (extras: $(tail -n +2 "$stamp" | paste -sd, -))"
+    exit 0
+  fi
+fi
+
 python -m pip install --quiet --upgrade pip
 
 if ! python -c "import torch" 2>/dev/null; then
@@ -55,4 +71,11 @@ case ",$extras," in
     pip uninstall --quiet --yes torchvision torchaudio torchcodec
     ;;
 esac
+# the extras installed before stay installed: the stamp keeps them
+{
+  echo "$wanted"
+  { [ -f "$stamp" ] && [ "$(head -1 "$stamp")" = "$wanted" ] && tail -n +2 "$stamp"; \
+    for extra in ${extras//,/ }; do echo "$extra"; done; } | sort -u
+} > "$stamp.new"
+mv "$stamp.new" "$stamp"
 echo "asyncrl is set up in .venv ($(python -c 'import torch; print("torch", torch.__version__)'))"
