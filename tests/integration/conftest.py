@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,9 +59,21 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Hugging Face folder of SmolLM2-135M-Instruct (float32, 538 MB), exported once
-    per session from the GGUF file with :func:`asyncrl.models.export_pretrained`."""
+    """A Hugging Face folder of SmolLM2-135M-Instruct (float32, 538 MB), exported from the
+    GGUF file with :func:`asyncrl.models.export_pretrained` once per test run: under
+    pytest-xdist the workers share it (the run's common temp folder, under a file lock),
+    instead of each spending half a minute on its own export."""
+    from filelock import FileLock
+
     from asyncrl.models import export_pretrained
 
-    output = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
-    return export_pretrained(str(smollm2_gguf), output)
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # this run's folder above every worker's own
+    output = shared / "smollm2" / "SmolLM2-135M-Instruct"
+    with FileLock(str(shared / "smollm2.lock")):
+        done = shared / "smollm2" / "exported"
+        if not done.exists():
+            export_pretrained(str(smollm2_gguf), output)
+            done.touch()
+    return output
