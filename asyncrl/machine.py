@@ -8,6 +8,7 @@ count above this machine's devices is not a config error; the launcher (and
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -62,8 +63,17 @@ def _generator_problems(config: Config, gpus: int) -> list[str]:
     return []
 
 
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+"""Where a GPU driver shows itself: NVIDIA's, ROCm's (torch.cuda on AMD), WSL2's."""
+
+
 def _cuda_device_count() -> int:
-    """CUDA devices torch sees (honours CUDA_VISIBLE_DEVICES); 0 without torch or CUDA."""
+    """CUDA devices torch sees (honours CUDA_VISIBLE_DEVICES); 0 without torch or CUDA.
+
+    Without any GPU driver torch can see no device, and the launcher need not import
+    torch to learn it (a second and more of every launch's start on a small CPU)."""
+    if not any(Path(path).exists() for path in GPU_DRIVER_PATHS):
+        return 0
     try:
         import torch
     except ImportError:

@@ -528,6 +528,22 @@ def test_a_joined_ray_cluster_may_span_machines_so_nothing_is_checked():
     assert machine_problems(config, cuda_devices=0, cpus=1) == []
 
 
+def test_without_a_gpu_driver_the_launcher_counts_no_device_and_imports_no_torch(tmp_path):
+    """The count the launcher asks for at every start: with no GPU driver on the machine it
+    is 0 without importing torch (a second and more of a launch on a small CPU)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from asyncrl import machine\n"
+        f"machine.GPU_DRIVER_PATHS = ({str(tmp_path / 'no-driver')!r},)\n"
+        "print(machine._cuda_device_count(), 'torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.split() == ["0", "False"], result.stderr
+
+
 def test_machine_problems_is_not_a_schema_error():
     config = config_with("learner.world_size=512")
 
