@@ -21,10 +21,13 @@ holds for it, which is never the learner's.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 import yaml
 
@@ -111,6 +114,21 @@ def main(argv: list[str] | None = None) -> str:
     return args.role
 
 
+def end_without_finalizing() -> NoReturn:
+    """End a role process whose work is done and closed: run the exit handlers (logging's
+    flush, temporary folders' removal, multiprocessing's joins), then leave without
+    finalizing the interpreter.
+
+    Finalizing an interpreter that imported torch and transformers frees every module's
+    objects one by one: 0.93 s against 0.04 s on a 2-core CPU, paid by every role at every
+    stop, one phase after another (generators, then the buffer).
+    """
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     if main() == "learner":
         # Not under Ray (whose actors call main()): a learner process that has
@@ -119,3 +137,4 @@ if __name__ == "__main__":
         from asyncrl.learner.distributed import exit_without_finalizing
 
         exit_without_finalizing()
+    end_without_finalizing()
