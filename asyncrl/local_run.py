@@ -50,7 +50,7 @@ from asyncrl.config import Config
 from asyncrl.console import RunConsole, open_console
 from asyncrl.cores import CORES_ENV, CorePlan
 from asyncrl.credentials import Credentials, handed_over, held
-from asyncrl.paths import LEARNER_STORE_ENV, replica_name
+from asyncrl.paths import LEARNER_STORE_ENV, WEIGHTS_SHM_POINTER, replica_name
 from asyncrl.roles import config_env
 from asyncrl.stop_signals import StopSignals, raise_interrupted
 from asyncrl.supervision import LOG_TAIL_LINES, Replica, Supervision
@@ -330,11 +330,14 @@ class Supervisor(Supervision):
         if self.store_dir is not None:
             shutil.rmtree(self.store_dir, ignore_errors=True)
         # a learner that died (or was killed) left its weights segment in /dev/shm:
-        # memory the size of two policies, held until someone removes the file
-        from asyncrl.weights.shm_writer import remove_leftover
+        # memory the size of two policies, held until someone removes the file. Its
+        # record says so (a clean learner removes both); only then is the writer, and
+        # torch with it, imported: a second of every launch's end otherwise.
+        if (self.run_dir / WEIGHTS_SHM_POINTER).exists():
+            from asyncrl.weights.shm_writer import remove_leftover
 
-        with contextlib.suppress(OSError):  # a run dir gone or read-only: nothing to do
-            remove_leftover(self.run_dir)
+            with contextlib.suppress(OSError):  # a run dir gone or read-only: nothing to do
+                remove_leftover(self.run_dir)
 
     def all_processes(self) -> list[subprocess.Popen]:
         """Every process started, each learner rank on its own."""

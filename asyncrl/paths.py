@@ -16,6 +16,8 @@ FINAL_EVAL = "eval.json"
 TRAINED_GROUPS = "trained_groups.jsonl"
 """One line per learner step: ``{"step": 4, "version": 5, "group_ids": [...]}`` (steps as in
 metrics.jsonl). After a resume, the last line of a step is the one that counts."""
+WEIGHTS_SHM_POINTER = "weights_shm"
+"""The file in the run dir naming the run's shared-memory weights segment, while it exists."""
 LEARNER_STORE_ENV = "ASYNCRL_LEARNER_STORE"
 """The environment variable naming the file through which learner ranks on one machine
 form their process group (:func:`asyncrl.learner.distributed.init`); set by the launcher,

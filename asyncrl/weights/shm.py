@@ -52,12 +52,13 @@ from pathlib import Path
 import msgspec
 
 from asyncrl.messages import TensorEntry
+from asyncrl.paths import WEIGHTS_SHM_POINTER
 from asyncrl.weights.checks import LAYOUT, WeightsRefused
 from asyncrl.weights.source import WeightTransferError
 from asyncrl.wire import DTYPES, nbytes_of
 
 SHM_DIR = Path("/dev/shm")
-POINTER_FILE = "weights_shm"
+POINTER_FILE = WEIGHTS_SHM_POINTER
 """The file in the run dir naming the run's segment."""
 NAME = re.compile(r"asyncrl-[0-9a-f]{32}")
 MAGIC = b"ASRLWSHM"
