@@ -94,7 +94,7 @@ def plot(
     minutes = [float(r["time_s"]) / 60 for r in steps]
     samples = [int(r["samples_total"]) for r in steps]
     figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for axis, x, ex, label in (
+    for axis, x, ex, x_label in (
         (axes[0], minutes, [r["minutes"] for r in rounds], "minutes since launch"),
         (axes[1], samples, [r["trained_samples"] for r in rounds], "samples trained"),
     ):
@@ -110,7 +110,7 @@ def plot(
                 alpha=0.8,
                 label=f"{other}: held-out eval reward",
             )
-        axis.set_xlabel(label)
+        axis.set_xlabel(x_label)
         axis.grid(alpha=0.3)
     axes[0].set_ylabel("reward")
     axes[0].legend(loc="lower right")
