@@ -189,16 +189,18 @@ def supervised(tmp_path: Path, script: Callable[[FakeRay], None]) -> tuple:
     return run.supervise(console), ray, console
 
 
-def test_a_generator_whose_role_raises_gets_a_new_actor_with_restarts_1(tmp_path):
-    def script(ray: FakeRay) -> None:
-        generator = ray.run_of("generator-0")
-        if not generator.done:
-            generator.finish(FakeTaskError(RuntimeError("boom")))
-        with contextlib.suppress(LookupError):
-            ray.run_of("generator-0", restarts=1)
-            ray.run_of("learner").finish()
+def generator_fails_once(ray: FakeRay) -> None:
+    """generator-0's role raises; its new actor (restart 1) runs, then the learner finishes."""
+    generator = ray.run_of("generator-0")
+    if not generator.done:
+        generator.finish(FakeTaskError(RuntimeError("boom")))
+    with contextlib.suppress(LookupError):
+        ray.run_of("generator-0", restarts=1)
+        ray.run_of("learner").finish()
 
-    failure, ray, console = supervised(tmp_path, script)
+
+def test_a_generator_whose_role_raises_gets_a_new_actor_with_restarts_1(tmp_path):
+    failure, ray, console = supervised(tmp_path, generator_fails_once)
     assert failure is None
     first_actor = ray.runs[2][0]
     assert ray.killed == [first_actor]  # its resources freed for the new one
@@ -220,15 +222,7 @@ def test_each_actor_is_handed_its_role_s_credentials_a_restarted_one_too(tmp_pat
     config = load_config(QUICKSTART, ["cluster.backend=ray", "generators.replicas=1"])
     config, credentials = provision_run(config, tmp_path)
 
-    def script(ray: FakeRay) -> None:
-        generator = ray.run_of("generator-0")
-        if not generator.done:
-            generator.finish(FakeTaskError(RuntimeError("boom")))
-        with contextlib.suppress(LookupError):
-            ray.run_of("generator-0", restarts=1)
-            ray.run_of("learner").finish()
-
-    ray = FakeRay(script)
+    ray = FakeRay(generator_fails_once)
     (tmp_path / "logs").mkdir()
     run = RayRun(ray, config, tmp_path, None, StopSignals(), credentials)
     run.create_actors()
