@@ -1,26 +1,37 @@
-"""LoRA adapters on the policy, made by peft: wrap it, fold the adapters into the base
-weights as they stream out, and write them in peft's own format.
+"""LoRA adapters on the policy, made by peft: wrap it, publish the adapters alone (or fold
+them into the base weights as they stream out), and write them in peft's own format.
 
-The learner trains ``base_model.model.<name>`` wrapped by peft; everything downstream
-of it (generators, the exported folder) sees plain Hugging Face names: each adapted
-linear layer's ``weight`` comes out as ``W + (alpha / r) * B @ A``, computed in fp32.
+The learner trains ``base_model.model.<name>`` wrapped by peft. With ``publish: adapter``
+each sync moves the adapters alone, under the names peft saves them by
+(``<layer>.lora_A.weight``, ``<layer>.lora_B.weight``), and every engine applies them on
+its own copy of the base (:func:`inject_adapters`). With ``publish: merged`` generators
+see plain Hugging Face names: each adapted linear layer's ``weight`` comes out as
+``W + (alpha / r) * B @ A``, computed in fp32.
+
+An adapter is known by its digest (:func:`adapter_digest`): the learner announces the
+digest of every version it publishes, each replica reports the digest of the adapter its
+engine holds, and the buffer refuses samples whose versions' digests differ.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import hashlib
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from asyncrl.config import LoraConfig, ModelConfig
+from asyncrl.messages import BASE_DIGEST
 
 PEFT_PREFIX = "base_model.model."
 """What peft puts before every Hugging Face name of the model it wraps."""
 ADAPTER_DIR = "adapter"
 """The final export's sub-folder holding the adapter alone (peft's format)."""
 _BASE, _A, _B = ".base_layer.", ".lora_A.", ".lora_B."
+ADAPTER_NAME = "default"
+"""The name peft gives the one adapter (``<layer>.lora_A.default.weight``)."""
 
 
 class LoraUnavailable(ImportError):
@@ -128,3 +139,83 @@ def save_adapter(
         raise ValueError(f"the adapter does not fit its model: {unexpected[:3] or missing[:3]}")
     wrapped.peft_config["default"].base_model_name_or_path = config.name_or_path
     wrapped.save_pretrained(output)
+
+
+def published_name(name: str) -> str:
+    """peft's name of an adapter tensor in a live model as peft saves it: the adapter's
+    name dropped (``<layer>.lora_A.default.weight`` -> ``<layer>.lora_A.weight``)."""
+    return name.replace(f".{ADAPTER_NAME}.", ".")
+
+
+def adapter_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """What identifies an adapter's values: a BLAKE2b hash of every tensor's name, dtype,
+    shape and bytes, in name order (the order tensors arrive in does not matter), or
+    :data:`BASE_DIGEST` when every ``lora_B`` is zero (the adapter is then the base model,
+    whatever its ``A``)."""
+    named = sorted(tensors, key=lambda item: item[0])
+    if all(not bool(t.any()) for name, t in named if _B in name):
+        return BASE_DIGEST
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in named:
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(memoryview(flat.view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
+class AdapterWeights:
+    """A model's live adapter tensors under their published names: what a weight path
+    loads into when only adapters are synced (``state_dict`` as a module's: the tensors
+    themselves with ``keep_vars``, detached views otherwise)."""
+
+    def __init__(self, model: nn.Module):
+        self.parameters = {
+            published_name(name): parameter
+            for name, parameter in model.named_parameters()
+            if is_adapter(name)
+        }
+        if not self.parameters:
+            raise ValueError("the model holds no LoRA adapters")
+
+    def state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        if keep_vars:
+            return dict(self.parameters)
+        return {name: p.detach() for name, p in self.parameters.items()}
+
+    def digest(self) -> str:
+        return adapter_digest(self.state_dict().items())
+
+
+def inject_adapters(model: nn.Module, config: LoraConfig) -> AdapterWeights:
+    """Give ``model`` (an engine's copy of the base, in place) LoRA layers where the learner
+    has them, all zero: it computes the base until a version's adapters are loaded."""
+    import peft
+
+    peft.inject_adapter_in_model(peft_config(config), model, adapter_name=ADAPTER_NAME)
+    adapters = AdapterWeights(model)
+    with torch.no_grad():
+        for parameter in adapters.parameters.values():
+            parameter.zero_()
+            parameter.requires_grad_(False)
+    return adapters
+
+
+def adapter_config_json(config: LoraConfig, names: Iterable[str], base: str) -> dict:
+    """peft's ``adapter_config.json`` for adapters named ``names`` (published names): the
+    layers they adapt listed by their last name part, as peft writes them."""
+    layers = sorted({name.split(_A)[0].split(_B)[0].rsplit(".", 1)[-1] for name in names})
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": config.rank,
+        "lora_alpha": config.alpha,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": layers,
+        "base_model_name_or_path": base,
+    }
+
+
+def peft_file_names(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Published adapter tensors under the names of peft's ``adapter_model.safetensors``."""
+    return {f"{PEFT_PREFIX}{name}": tensor for name, tensor in tensors.items()}

@@ -57,6 +57,8 @@ from asyncrl.wire import (
 )
 
 __all__ = [
+    "BASE_DIGEST",
+    "MAX_ADAPTER_DIGESTS",
     "MAX_ARRAY_DIM",
     "MAX_ARRAY_DIMS",
     "MAX_EVAL_WAIT_S",
@@ -65,6 +67,8 @@ __all__ = [
     "NOT_EVAL",
     "SCHEMA_VERSION",
     "Ack",
+    "AdapterDigest",
+    "AdapterPublished",
     "ArrayFrame",
     "ArraySpec",
     "BatchRequest",
@@ -110,6 +114,15 @@ EvalRound = Annotated[int, msgspec.Meta(ge=-1)]
 """An eval round's number, or -1 (the default): training work. Anything below -1 is
 rejected when decoded (``bad_header``)."""
 NOT_EVAL = -1
+
+
+BASE_DIGEST = "base"
+"""The digest of a LoRA adapter that computes the base model (every ``B`` zero), and of no
+adapter at all: what a replica serves before its first adapter, and version 0 of a run."""
+AdapterDigest = Annotated[str, msgspec.Meta(pattern=rf"^({BASE_DIGEST}|[0-9a-f]{{32}})$")]
+"""An adapter's digest (:func:`asyncrl.lora.adapter_digest`): 32 hex digits, or ``base``."""
+MAX_ADAPTER_DIGESTS = 64
+"""Versions a Trajectories message may name digests for (a sample spans a few)."""
 
 
 Incarnation = Annotated[int, msgspec.Meta(ge=0)]
@@ -210,6 +223,17 @@ class Trajectories(_Body, tag="trajectories"):
     incarnation: Incarnation = 0
     """From a generator: its incarnation (:func:`new_incarnation`); every sample of one
     message is the same generator's."""
+    adapter_digests: (
+        Annotated[
+            dict[Annotated[int, msgspec.Meta(ge=0)], AdapterDigest],
+            msgspec.Meta(max_length=MAX_ADAPTER_DIGESTS),
+        ]
+        | msgspec.UnsetType
+    ) = msgspec.UNSET
+    """From a generator whose run publishes LoRA adapters alone: for each version its
+    samples' model tokens carry, the digest of the adapter its engine held for that version
+    (:func:`asyncrl.lora.adapter_digest`), checked against the learner's announcement.
+    Left out of the bytes when unset, so a run without LoRA sends what it always did."""
 
 
 class Heartbeat(_Body, tag="heartbeat"):
@@ -275,6 +299,15 @@ class Status(_Body, tag="status"):
 
 # --------------------------------------------------------------------------
 # learner <-> buffer
+
+
+class AdapterPublished(_Body, tag="adapter_published"):
+    """The learner is about to publish ``version``, whose LoRA adapter has ``digest``: sent
+    before any replica can fetch it, answered with ``Ack(accepted=1)``. The buffer refuses
+    samples whose replica reports another digest for the version."""
+
+    version: Annotated[int, msgspec.Meta(ge=0)]
+    digest: AdapterDigest
 
 
 class BatchRequest(_Body, tag="batch_request"):
@@ -355,6 +388,7 @@ Message = (
     | StatusRequest
     | Status
     | BatchRequest
+    | AdapterPublished
     | StartEval
     | EvalResultsRequest
     | EvalResults

@@ -37,6 +37,8 @@ class Count(StrEnum):
     FILTERED_TRUNCATED = "filtered_truncated"
     FILTERED_EQUAL_REWARDS = "filtered_equal_rewards"
     DISCARDED_REQUEUE = "discarded_requeue"
+    REFUSED_ADAPTER = "refused_adapter"
+    """Generated with another LoRA adapter than the one published for its version."""
     RETIRED_STALE_AFTER_SERVING = "retired_stale_after_serving", None
     REWARD_ERRORS = "reward_errors"
     # groups (invariant 6)

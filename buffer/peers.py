@@ -15,6 +15,7 @@ from collections import Counter
 
 from asyncrl.buffer.validation import check_generator_id
 from asyncrl.messages import (
+    AdapterPublished,
     BatchRequest,
     EvalResultsRequest,
     Heartbeat,
@@ -37,6 +38,7 @@ REJECTION_LOG_EVERY_S = 10.0
 along with the next line (every rejection is counted in ``buffer_rejected_<reason>``)."""
 ROLES_SERVED: dict[type, frozenset[str]] = {
     BatchRequest: frozenset({LEARNER}),
+    AdapterPublished: frozenset({LEARNER}),
     StartEval: frozenset({LEARNER}),
     EvalResultsRequest: frozenset({LEARNER}),
     SaveBufferState: frozenset({LEARNER}),

@@ -66,6 +66,8 @@ import zmq
 import zmq.asyncio
 
 from asyncrl import progress
+from asyncrl.buffer.adapters import AdapterLedger
+from asyncrl.buffer.counters import Count
 from asyncrl.buffer.held import HeldRequest, HeldRequests
 from asyncrl.buffer.learner_desk import LearnerDesk
 from asyncrl.buffer.metrics import busy_fraction, generators_summary, pools_summary, service_metrics
@@ -85,6 +87,7 @@ from asyncrl.connection_guard import ConnectionGuard
 from asyncrl.message_limits import BUFFER_HEADER_BYTES, buffer_guard_limits
 from asyncrl.messages import (
     Ack,
+    AdapterPublished,
     BatchRequest,
     ErrorReply,
     EvalResultsRequest,
@@ -105,6 +108,7 @@ from asyncrl.messages import (
     encode,
 )
 from asyncrl.security import peer_role, secure_server
+from asyncrl.trajectory import Sample
 from asyncrl.trajectory import split_samples as split_samples  # benchmarks import it
 
 log = logging.getLogger("asyncrl.buffer")
@@ -189,6 +193,8 @@ class BufferService:
         """``abandon_noops``, ``work_requests_capped``, ``work_requests_held`` (ever) and
         ``work_requests_held_granted`` (got items)."""
         self.skips = SkipFile(run_dir)
+        self.adapters = AdapterLedger() if config.model.publishes_adapters else None
+        """The learner's adapter digests, when samples must be checked against them."""
         self.learner = LearnerDesk(
             store, self.held, self._reply, self._batch_stats, run_dir, self.counters
         )
@@ -204,6 +210,7 @@ class BufferService:
             StartEval: self.learner.on_start_eval,
             EvalResultsRequest: self.learner.on_eval_results_request,
             SaveBufferState: self.learner.on_save_buffer_state,
+            AdapterPublished: self._on_adapter_published,
         }
         """The message types served, each by its handler."""
 
@@ -314,13 +321,43 @@ class BufferService:
             self.store.handed_out,
             self.reward_error_kinds,
         )
+        samples = self._refuse_other_adapters(body, samples)
         accepted = self.store.ingest(samples, now)
         if body.samples and body.stats:
             self.generator_stats[sender] = dict(body.stats)
             self.generator_pools[sender] = body.pool or "default"
-        await self._reply(identity, Ack(accepted, len(samples) - accepted))
+        await self._reply(identity, Ack(accepted, len(body.samples) - accepted))
         await self.learner.serve_pending()
         await self.learner.serve_results(now)  # the sample that completes a round
+
+    def _refuse_other_adapters(self, body: Trajectories, samples: list[Sample]) -> list[Sample]:
+        """``samples`` but those generated with another adapter than the one published
+        for a version they carry: refused, counted, their groups requeued."""
+        if self.adapters is None:
+            return samples
+        kept, refused = [], []
+        for sample in samples:
+            problem = self.adapters.mismatch(sample, body.adapter_digests or {})
+            (kept if problem is None else refused).append(sample)
+            if problem is not None:
+                detail = f"{sample.meta.generator_id}: sample {sample.meta.group_id}/"
+                self.log_rejection(
+                    "adapter_mismatch", f"{detail}{sample.meta.sample_index}: {problem}",
+                    time.monotonic(),
+                )  # fmt: skip
+        if refused:
+            self.store.refuse(refused, Count.REFUSED_ADAPTER)
+        return kept
+
+    async def _on_adapter_published(
+        self, identity: bytes, body: AdapterPublished, _, now: float
+    ) -> None:
+        if self.adapters is None:
+            raise WireError(
+                "unexpected_type", "this run does not publish LoRA adapters alone (model.lora)"
+            )
+        self.adapters.announce(body.version, body.digest)
+        await self._reply(identity, Ack(accepted=1))
 
     async def _on_heartbeat(self, identity: bytes, body: Heartbeat, _, now: float) -> None:
         self.incarnations.claim(body.generator_id, body.incarnation)

@@ -241,6 +241,28 @@ class BufferStore:
             self.requeued.put(group.item)
         return len(groups) + sum(source.forget(generator_id) for source in self.sources)
 
+    def refuse(self, samples: list[Sample], reason: Count) -> int:
+        """Samples that must not be trained on: each counted under ``reason``, its group
+        regenerated whole (requeued, its partial samples discarded, as for a silent
+        generator). Returns the groups requeued."""
+        requeued = 0
+        for sample in samples:
+            self.counters[reason] += 1
+            meta = sample.meta
+            owner = self._claimant(meta)
+            if owner is not None:  # an eval round's: the source hands it out again
+                requeued += owner.forget(meta.generator_id)
+                continue
+            group = self.in_flight.get(meta.group_id)
+            if group is None or group.generator_id != meta.generator_id:
+                continue  # not in flight to its sender: nothing to requeue
+            del self.in_flight[meta.group_id]
+            self.counters[Count.DISCARDED_REQUEUE] += len(group.samples)
+            self.counters[Count.REQUEUED_GROUPS] += 1
+            self.requeued.put(group.item)
+            requeued += 1
+        return requeued
+
     def _claimant(self, meta: TrajectoryMeta) -> WorkSource | None:
         """The source whose own group ``meta``'s sample is of (an eval round's), if any."""
         return next((source for source in self.sources if source.claims(meta)), None)

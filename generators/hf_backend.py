@@ -21,6 +21,12 @@ sequence ends at the token that completes one and what ``generate`` sampled
 after it in the same chunk is dropped, log-probs with it. ``abort`` from another
 thread ends the chosen rows at the next token (a stopping criterion).
 
+With LoRA adapters published alone, the model gets peft's LoRA layers (all zero: the
+base) and each version loads into them alone (:class:`~asyncrl.lora.AdapterWeights`,
+what every weight path sees as the engine's tensors); the forward is peft's, the
+learner's. After each load the adapter is read back from the model and digested
+(``adapter_digest``): what the replica reports to the buffer for that version.
+
 A pool that asks for a GPU (``generators.num_gpus`` > 0; under Ray, the GPU Ray gave
 the replica) generates on it: the model moves there and each chunk's inputs with it.
 """
@@ -34,7 +40,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from asyncrl.config import GeneratorsConfig
+from asyncrl import lora
+from asyncrl.config import GeneratorsConfig, LoraConfig
 from asyncrl.generators.backend import (
     Rollout,
     StopStrings,
@@ -111,9 +118,23 @@ def engine_device(sampling: GeneratorsConfig) -> torch.device:
 class HFBackend:
     """The transformers engine: ``generate`` on the policy module held in this process."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, sampling: GeneratorsConfig):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        sampling: GeneratorsConfig,
+        adapters: LoraConfig | None = None,
+    ):
+        """``adapters``: LoRA adapters published alone, applied to ``model`` as its base."""
         self.device = engine_device(sampling)
         self.model = model.to(self.device).eval()
+        self.weights: torch.nn.Module | lora.AdapterWeights = self.model
+        """What a version loads into: the model, or its LoRA adapters alone."""
+        self.adapter_digest: str | None = None
+        """The digest of the adapters held (read back after each load); None: no LoRA."""
+        if adapters is not None:
+            self.weights = lora.inject_adapters(self.model, adapters)
+            self.adapter_digest = self.weights.digest()
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.version = 0
@@ -147,11 +168,17 @@ class HFBackend:
         checked first, each part is copied in as it comes, ``version`` holds after the last."""
         start = time.perf_counter()
         optional = set()
-        if getattr(self.model.config, "tie_word_embeddings", False):
+        if self.weights is self.model and getattr(self.model.config, "tie_word_embeddings", False):
             optional.add("lm_head.weight")  # tied to the embedding, may be omitted
-        load_module_in_parts(self.model, optional, names, parts, version)
-        self.version = version
+        load_module_in_parts(self.weights, optional, names, parts, version)
+        self._loaded(version)
         self.last_load_s = time.perf_counter() - start
+
+    def _loaded(self, version: int) -> None:
+        """``version`` is in the engine: later tokens get it, and its adapters' digest."""
+        self.version = version
+        if self.adapter_digest is not None:
+            self.adapter_digest = self.weights.digest()
 
     def weight_buffers(self, buckets: Sequence) -> list[torch.Tensor] | None:
         """The model's tensors as one flat buffer per bucket (see Backend): the collective
@@ -159,12 +186,12 @@ class HFBackend:
         self._receiving_since = time.perf_counter()
         if self.device.type != "cpu":  # the broadcast arrives in host buffers: load from them
             return None
-        self._homes = module_buffers(self.model, buckets, self._homes)
+        self._homes = module_buffers(self.weights, buckets, self._homes)
         return self._homes
 
     def weights_written(self, version: int) -> None:
         """The buffers hold ``version`` (no cache outlives a chunk here, as in load_weights)."""
-        self.version = version
+        self._loaded(version)
         self.last_load_s = time.perf_counter() - self._receiving_since
 
     def abort(self, rollouts: Iterable[Rollout]) -> None:

@@ -42,6 +42,17 @@ embedding, refreshed with it on every load): vLLM 0.32's in-place reload
 re-creates the embedding but leaves a tied LM head on the old tensor. The
 function computed is the same.
 
+LoRA. With adapters published alone (``model.lora.publish: adapter``) the engine runs
+with vLLM's own LoRA support (``enable_lora``, one adapter resident: ``max_loras=1``)
+on the base model. Each version's adapters are written as a peft folder in the
+replica's directory and registered as a ``LoRARequest`` of their own (id ``version +
+1``); the previous version's is removed, its folder deleted, so at most one adapter is
+ever resident however long the run. Every request of a chunk names the version's
+adapter; version 0 (the base model) names none. The adapter digest reported for a
+version is the digest of the tensors registered, once the engine lists the adapter as
+loaded (vLLM packs and pre-scales its copy, so it is not read back): an adapter vLLM
+did not take leaves the replica reporting the one it still serves.
+
 Prefix cache. With ``vllm_prefix_caching`` (the default) the engine reuses the
 KV of prefixes it has seen, so a chunk does not recompute the prompt and
 response its previous chunk already encoded. KV computed with older weights
@@ -56,6 +67,7 @@ import contextlib
 import copy
 import importlib
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -67,8 +79,10 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.config import GeneratorsConfig
+from asyncrl import lora
+from asyncrl.config import GeneratorsConfig, LoraConfig
 from asyncrl.generators.backend import Rollout, StopStrings, append_tokens, check_state_dict
+from asyncrl.messages import BASE_DIGEST
 from asyncrl.models import tied_names
 from asyncrl.weights.collective_buckets import Spec
 from asyncrl.weights.layout import TORCH_DTYPES
@@ -116,6 +130,21 @@ def export_model(model: torch.nn.Module, tokenizer, directory: Path) -> Path:
     return directory
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM accepts."""
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of ``rank``."""
+    for allowed in VLLM_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ValueError(
+        f"model.lora.rank={rank}: vLLM serves LoRA adapters of rank {VLLM_LORA_RANKS[-1]} at "
+        "most; use a lower rank, generators.backend=hf, or model.lora.publish=merged"
+    )
+
+
 def _swap_dir(work_dir: Path) -> Path:
     """Where weight files pass to the worker: RAM-backed ``/dev/shm`` if present."""
     shm = Path("/dev/shm")
@@ -142,6 +171,7 @@ class VLLMBackend:
         seed: int = 0,
         max_model_len: int | None = None,
         work_dir: Path | None = None,
+        adapters: LoraConfig | None = None,
         **engine_kwargs,
     ):
         """Start an engine on ``model_dir`` (written by :func:`export_model`).
@@ -152,6 +182,8 @@ class VLLMBackend:
         :mod:`asyncrl.weights.checks`); ``tied`` names the embedding and the LM head
         of a policy that ties them (the head may then be omitted, and is sent
         to vLLM as a copy of the embedding).
+        ``adapters``: LoRA adapters published alone, served by vLLM's LoRA support on
+        ``model_dir`` as the base (``parameter_specs`` then name the adapters' tensors).
         ``engine_kwargs`` go to ``vllm.LLM`` as they are (tests: ``block_size``).
         """
         # CPU build: let the engine's OpenMP threads float rather than pin every
@@ -177,6 +209,16 @@ class VLLMBackend:
         self._lock = threading.Lock()
         self._running: dict[int, str] = {}  # id(rollout) -> request id, for the chunk running
         self._to_abort: set[str] = set()
+        self.adapters = adapters
+        self.adapter_digest: str | None = None if adapters is None else BASE_DIGEST
+        """The digest of the adapter the engine serves (see LoRA above); None: no LoRA."""
+        self._adapter = None  # the LoRARequest of the version held; None: the base model
+        self._adapter_dir = Path(work_dir or model_dir) / "adapters"
+        self._base = str(model_dir)
+        if adapters is not None:
+            engine_kwargs.update(
+                enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(adapters.rank)
+            )
         self.llm = LLM(
             str(model_dir),
             dtype=dtype,
@@ -203,20 +245,27 @@ class VLLMBackend:
         *,
         dtype: str = "float32",
         seed: int = 0,
+        adapters: LoraConfig | None = None,
         **engine_kwargs,
     ) -> VLLMBackend:
-        """An engine holding ``model``'s weights as version 0 (written to ``work_dir/model``)."""
+        """An engine holding ``model``'s weights as version 0 (written to ``work_dir/model``);
+        with ``adapters``, ``model`` is the base and gets peft's LoRA layers (in place)
+        only to learn the adapters' names and shapes."""
         model_dir = export_model(model, tokenizer, Path(work_dir) / "model")
+        tied = tied_names(model)
+        loaded = model.state_dict()
+        if adapters is not None:
+            loaded, tied = lora.inject_adapters(model, adapters).state_dict(), None
         return cls(
             model_dir,
             tokenizer,
             sampling,
-            parameter_names=set(model.state_dict()),
+            parameter_names=set(loaded),
             parameter_specs={
-                name: Spec(tuple(t.shape), TORCH_DTYPES.get(t.dtype))
-                for name, t in model.state_dict().items()
+                name: Spec(tuple(t.shape), TORCH_DTYPES.get(t.dtype)) for name, t in loaded.items()
             },
-            tied=tied_names(model),
+            tied=tied,
+            adapters=adapters,
             dtype=dtype,
             seed=seed,
             max_model_len=getattr(model.config, "max_position_embeddings", None),
@@ -261,7 +310,9 @@ class VLLMBackend:
                 if steps not in params:
                     params[steps] = self._params(steps)
                 prompt = {"prompt_token_ids": rollout.prompt_ids + rollout.response_ids}
-                self.engine.add_request(request_id, prompt, params[steps])
+                self.engine.add_request(
+                    request_id, prompt, params[steps], lora_request=self._adapter
+                )
                 by_request[request_id] = rollout
                 tokens[request_id], logprobs[request_id] = [], []
                 self._running[id(rollout)] = request_id
@@ -328,7 +379,10 @@ class VLLMBackend:
         start = time.perf_counter()
         optional = {self.tied[1]} if self.tied else set()
         check_state_dict(self.parameter_names, optional, state_dict, version)
-        self._push_weights(state_dict)
+        if self.adapters is not None:
+            self._swap_adapter(state_dict, version)
+        else:
+            self._push_weights(state_dict)
         self._reset_prefix_cache()
         self.version = version
         self.last_load_s = time.perf_counter() - start
@@ -353,10 +407,42 @@ class VLLMBackend:
         if loaded != len(tensors):
             raise RuntimeError(f"the vLLM worker read {loaded} of {len(tensors)} tensors")
 
+    def _swap_adapter(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Register ``version``'s adapters as a LoRA of their own, then drop the previous one:
+        one resident at a time (see LoRA above)."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        tensors = {name: t.detach().cpu().contiguous() for name, t in state_dict.items()}
+        folder = self._adapter_dir / f"v{version}"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        save_file(lora.peft_file_names(tensors), folder / "adapter_model.safetensors")
+        assert self.adapters is not None
+        settings = lora.adapter_config_json(self.adapters, tensors, self._base)
+        (folder / "adapter_config.json").write_text(json.dumps(settings))
+        previous = self._adapter
+        if previous is not None:  # first: a version reloaded under the same id is fresh
+            self.engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+            self._adapter, self.adapter_digest = None, BASE_DIGEST
+        request = LoRARequest(f"v{version}", version + 1, str(folder))
+        if not self.engine.add_lora(request) or request.lora_int_id not in self.list_adapters():
+            raise RuntimeError(f"vLLM did not load the adapter of v{version} from {folder}")
+        self._adapter = request
+        self.adapter_digest = lora.adapter_digest(tensors.items())
+
+    def list_adapters(self) -> set[int]:
+        """The ids of the LoRA adapters the engine holds (at most one)."""
+        return set(self.engine.list_loras())
+
     @property
     def in_place_weights(self):
         """The collective path's route into the workers: ``VLLMInPlace`` of the module of
-        :data:`WORKER_EXTENSION` (``generators/vllm_weight_sync.py``, which imports this one)."""
+        :data:`WORKER_EXTENSION` (``generators/vllm_weight_sync.py``, which imports this one);
+        None with LoRA adapters, which go through ``load_weights``."""
+        if self.adapters is not None:
+            return None
         if self._in_place is None:
             module = importlib.import_module(WORKER_EXTENSION.rpartition(".")[0])
             self._in_place = module.VLLMInPlace(self)
@@ -376,6 +462,8 @@ class VLLMBackend:
             self.engine = None
         if self._swap_dir is not None:
             shutil.rmtree(self._swap_dir, ignore_errors=True)
+        if getattr(self, "adapters", None) is not None:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
 
     def __del__(self):
         with contextlib.suppress(Exception):

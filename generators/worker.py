@@ -40,6 +40,7 @@ import time
 from concurrent.futures import Future, wait
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -50,6 +51,7 @@ from asyncrl.generators.episodes import Episodes
 from asyncrl.generators.weight_sync import WeightSync
 from asyncrl.message_limits import split_for_sending
 from asyncrl.messages import (
+    MAX_ADAPTER_DIGESTS,
     NOT_EVAL,
     Ack,
     Leave,
@@ -155,6 +157,10 @@ class GeneratorReplica:
         """Finished samples waiting for their reward."""
         self.extra_info: dict[int, list] = {}
         """group_id -> [its WorkItem's extra_info, samples not yet scored], when not empty."""
+        self.served_adapters: dict[int, str] = {}
+        """Version -> digest of the LoRA adapter the engine held for it (adapters published
+        alone: ``backend.adapter_digest``), reported with the samples of those versions."""
+        self._note_adapter()
         self.eval_rounds: dict[int, int] = {}
         """Eval group id -> the round it was last handed out in (at most one entry per
         eval prompt; training group ids are never negative, so never here)."""
@@ -357,6 +363,7 @@ class GeneratorReplica:
             self.stats.update(self.weight_sync.stats())
         if loaded is None:
             return
+        self._note_adapter()
         self.stats["weight_swaps"] += 1
         self.stats["weight_swap_latency_s"] = time.time() - loaded.published_at
         self.stats["weight_load_s"] = self.backend.last_load_s
@@ -367,6 +374,23 @@ class GeneratorReplica:
             self.stats["weight_swap_latency_s"],
             self.backend.last_load_s,
         )
+
+    def _note_adapter(self) -> None:
+        """Record the digest of the adapter the engine holds for its version (read back
+        from the engine, not taken from the path that delivered it)."""
+        digest = getattr(self.backend, "adapter_digest", None)
+        if digest is None:
+            return
+        self.served_adapters[self.backend.version] = digest
+        while len(self.served_adapters) > MAX_ADAPTER_DIGESTS:
+            del self.served_adapters[min(self.served_adapters)]
+
+    def adapter_digests(self, rollouts: list[Rollout]) -> dict[int, str]:
+        """The digests of the versions ``rollouts``' model tokens carry (those known)."""
+        if not self.served_adapters:
+            return {}
+        versions = {v for r in rollouts for v in r.token_versions if v >= 0}
+        return {v: self.served_adapters[v] for v in versions if v in self.served_adapters}
 
     def send(self, finished: list[Rollout], wait_s: float = SCORE_WAIT_S) -> None:
         """Ask for the rewards of ``finished``; send every sample whose reward is in after
@@ -399,7 +423,9 @@ class GeneratorReplica:
             # the replica's own counters ride along, so the run's metrics show them
             self.stats["wall_s"] = time.monotonic() - self.started_at
             stats = {key: float(value) for key, value in self.stats.items()}
-            self.buffer.send(Trajectories(metas, stats, self.pool, self.incarnation), arrays)
+            digests = self.adapter_digests(rollouts[part]) or msgspec.UNSET
+            message = Trajectories(metas, stats, self.pool, self.incarnation, digests)
+            self.buffer.send(message, arrays)
             ack, _ = self.reply()
             assert isinstance(ack, Ack), ack
             self.stats["samples_sent"] += len(metas)

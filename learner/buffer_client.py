@@ -16,6 +16,7 @@ import zmq
 from asyncrl.learner.batch import TrainBatch, collate
 from asyncrl.messages import (
     Ack,
+    AdapterPublished,
     BatchRequest,
     EvalResults,
     EvalResultsRequest,
@@ -34,6 +35,8 @@ FINAL_SAVE_TIMEOUT_S = 5.0
 long any wait for the buffer lasts once a stop is asked (a dead buffer never holds it up)."""
 START_EVAL_TIMEOUT_S = 30.0
 """How long starting an eval round waits for the buffer's answer (it answers at once)."""
+ANNOUNCE_TIMEOUT_S = 30.0
+"""How long announcing an adapter's digest waits for the buffer's answer (at once too)."""
 
 
 class BufferStateNotSaved(RuntimeError):
@@ -87,6 +90,14 @@ class BufferClient:
         if not isinstance(reply, Trajectories):
             raise RuntimeError(f"buffer answered a batch request with {reply!r}")
         return collate(reply.samples, arrays, self.pad_id, self.device), reply.stats
+
+    def announce_adapter(self, version: int, digest: str) -> None:
+        """Tell the buffer ``version``'s adapter digest (before the version is published)."""
+        request = AdapterPublished(version, digest)
+        self.client.send(request)
+        reply, _ = self.reply_within(ANNOUNCE_TIMEOUT_S)
+        if not isinstance(reply, Ack):
+            raise RuntimeError(f"buffer answered {request!r} with {reply!r}")
 
     def start_eval(self, number: int, policy_version: int) -> bool:
         """Start eval round ``number`` of ``policy_version``; False if the buffer did not

@@ -58,6 +58,7 @@ class Learner:
         """An LM head tied to the embedding: published once, as the embedding (every
         engine ties it back), so each sync moves its bytes once, not twice."""
         self.lora = config.model.lora
+        self.publishes_adapters = config.model.publishes_adapters
         if self.lora is not None:
             policy = lora.with_adapters(policy, self.lora, config.run.seed)
         model: nn.Module = policy
@@ -112,7 +113,11 @@ class Learner:
         return self._plain(sharding.full_tensors(self.model, self.publish_prefix))
 
     def published_tensors(self):
-        """:meth:`full_tensors` as the generators get them: a tied LM head left out."""
+        """:meth:`full_tensors` as the generators get them: a tied LM head left out; with
+        ``model.lora.publish: adapter``, the adapters alone under peft's saved names."""
+        if self.publishes_adapters:
+            adapters = sharding.full_tensors(self.model, self.publish_prefix, keep=lora.is_adapter)
+            return ((lora.published_name(name), tensor) for name, tensor in adapters)
         tensors = sharding.full_tensors(self.model, self.publish_prefix, skip=self.tied_head)
         return self._plain(tensors)
 

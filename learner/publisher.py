@@ -10,12 +10,12 @@ released at a time); the other ranks only take part in the gathers
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
 
-from asyncrl import progress
+from asyncrl import lora, progress
 from asyncrl.config import Config
 from asyncrl.learner.policy import Learner
 
@@ -40,13 +40,24 @@ class Drain:
         return {}
 
 
+Announce = Callable[[int, str], None]
+"""Tells the buffer a version's adapter digest before any replica can fetch the version."""
+
+
 class Publisher:
     """Publishes the policy when its version is due, and once more at the end when the
-    final policy's eval (``eval.at_end``) needs weights the generators do not have yet."""
+    final policy's eval (``eval.at_end``) needs weights the generators do not have yet.
 
-    def __init__(self, learner: Learner, config: Config, sink: WeightSink):
+    With adapters published alone, the version's adapter digest is announced (``announce``,
+    rank 0's line to the buffer) before the sink serves it, so the buffer knows what every
+    sample of the version must have been generated with before the first one arrives."""
+
+    def __init__(
+        self, learner: Learner, config: Config, sink: WeightSink, announce: Announce | None = None
+    ):
         self.learner = learner
         self.sink = sink
+        self.announce = announce
         self.sync_interval = config.learner.sync_interval
         self.publish_at_end = config.eval.enabled and config.eval.at_end
         self.published: int | None = None
@@ -57,7 +68,12 @@ class Publisher:
         version = self.learner.version
         progress.beat(f"publishing weights v{version}")
         started = time.perf_counter()
-        self.sink.publish(self.learner.published_tensors(), version)
+        tensors = self.learner.published_tensors()
+        if self.learner.publishes_adapters:  # megabytes: held whole to be digested first
+            tensors = list(tensors)
+            if self.announce is not None:
+                self.announce(version, lora.adapter_digest(tensors))
+        self.sink.publish(tensors, version)
         self.published = version
         return time.perf_counter() - started
 

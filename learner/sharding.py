@@ -9,7 +9,7 @@ is one block's full weights plus the shards.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
@@ -100,9 +100,14 @@ def shard(model: nn.Module, config: LearnerConfig, ranks: Ranks) -> nn.Module:
     return model
 
 
-def full_tensors(model: nn.Module, prefix: str = "", skip: Collection[str] = ()):
+def full_tensors(
+    model: nn.Module,
+    prefix: str = "",
+    skip: Collection[str] = (),
+    keep: Callable[[str], bool] | None = None,
+):
     """Yield ``(name, full CPU tensor)`` per entry of the state dict, one at a time,
-    but those named in ``skip``.
+    but those named in ``skip`` or (with ``keep``) whose name it turns down.
 
     A collective: every rank must drain the iterator in the same order; each
     gets the full tensors. Names are the Hugging Face ones (``prefix``
@@ -110,6 +115,8 @@ def full_tensors(model: nn.Module, prefix: str = "", skip: Collection[str] = ())
     """
     for name, tensor in model.state_dict().items():
         if not name.startswith(prefix) or name[len(prefix) :] in skip:
+            continue
+        if keep is not None and not keep(name[len(prefix) :]):
             continue
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         yield name[len(prefix) :], full.detach().cpu()

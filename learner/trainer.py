@@ -187,7 +187,12 @@ def _parts(
     evaluator = Evaluator(config, buffer, step_log.log_eval, stop)
     return Parts(
         batches=BatchSource(learner.ranks, partial(buffer.next_batch, stop=stop)),
-        publisher=Publisher(learner, config, weights),
+        publisher=Publisher(
+            learner,
+            config,
+            weights,
+            announce=buffer.announce_adapter if learner.publishes_adapters else None,
+        ),
         evaluator=evaluator if config.eval.enabled else NoEval(),
         step_log=step_log,
         checkpointer=Checkpointer(

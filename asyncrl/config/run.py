@@ -78,6 +78,11 @@ class LoraConfig(Section):
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """The linear layers given adapters: ``all-linear`` (every one but the LM head) or
     module names as peft matches them (``[q_proj, v_proj]``)."""
+    publish: Literal["adapter", "merged"] = "adapter"
+    """What each weight sync moves: ``adapter``, the adapters alone (kilobytes to megabytes;
+    each engine applies them as an adapter, and every sample is checked against the
+    adapter published), or ``merged``, the whole model with the adapters folded in (for an
+    engine without LoRA support)."""
 
     @field_validator("target_modules")
     @classmethod
@@ -96,6 +101,11 @@ class ModelConfig(Section):
     lora: LoraConfig | None = None
     """Train LoRA adapters instead of every weight (needs the ``lora`` extra: peft);
     empty: full fine-tuning."""
+
+    @property
+    def publishes_adapters(self) -> bool:
+        """True when each weight sync moves LoRA adapters alone (``lora.publish: adapter``)."""
+        return self.lora is not None and self.lora.publish == "adapter"
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> ModelConfig:

@@ -683,6 +683,76 @@ def slow_chunk_record(trigger: Path) -> dict | None:
     return None
 
 
+KEEP_BASE_SITE = '''
+"""Planted by tests/integration/fault_harness.py: the first generator to load LoRA adapters
+once the file ASYNCRL_FAULT_KEEP_BASE exists never applies any: it drops every version's
+adapters and says it loaded them (its engine keeps the base model)."""
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+TARGET = "asyncrl.generators.hf_backend"
+broken = []
+
+
+def _claimed():
+    if not broken:
+        trigger = os.environ["ASYNCRL_FAULT_KEEP_BASE"]
+        try:
+            os.rename(trigger, trigger + ".taken")
+            broken.append(os.getpid())
+        except FileNotFoundError:
+            broken.append(None)
+    return broken[0] is not None
+
+
+def _dropping(load_in_parts):
+    def load_weights_in_parts(self, names, parts, version):
+        if self.adapter_digest is None or not _claimed():
+            return load_in_parts(self, names, parts, version)
+        for _ in parts:
+            pass
+        self.version = version  # and the adapter digest, read back, stays the base's
+
+    return load_weights_in_parts
+
+
+class _Patch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            backend = module.HFBackend
+            backend.load_weights_in_parts = _dropping(backend.load_weights_in_parts)
+            backend.weight_buffers = lambda self, buckets: None  # every path loads in parts
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if os.environ.get("ASYNCRL_FAULT_KEEP_BASE"):
+    sys.meta_path.insert(0, _Patch())
+'''
+
+
+def keep_base_env(directory: Path) -> tuple[dict[str, str], Path]:
+    """The environment that plants a replica keeping the base model (see
+    :data:`KEEP_BASE_SITE`), and the trigger file; ``TRIGGER.taken`` once one took it."""
+    site = directory / "site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(KEEP_BASE_SITE)
+    trigger = directory / "keep-base"
+    trigger.touch()
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "ASYNCRL_FAULT_KEEP_BASE": str(trigger)}, trigger
+
+
 def file_size(path: Path) -> int:
     with contextlib.suppress(OSError):
         return path.stat().st_size

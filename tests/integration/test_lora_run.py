@@ -1,20 +1,24 @@
 """`model.lora` end to end: the quickstart on two FSDP2 ranks trains adapters, its
-generators load the weights with the adapters folded in, a checkpoint holds the adapters
-alone (resuming from one is tested on the learner, tests/unit/learner/test_lora.py), and
-the final export loads as a plain model and as peft's adapter on the base."""
+generators load the adapters alone over each path, a checkpoint holds the adapters alone
+(resuming from one is tested on the learner, tests/unit/learner/test_lora.py), the final
+export loads as a plain model and as peft's adapter on the base, and a replica that never
+applies its adapters has its samples refused, not trained on."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from fault_harness import keep_base_env
 from run_processes import processes_of
 from torch.distributed.checkpoint import FileSystemReader
 
+from asyncrl import lora
 from asyncrl.config import load_config
 from asyncrl.models import build_policy
 from asyncrl.status import read_metrics
@@ -26,9 +30,12 @@ REPO = Path(__file__).resolve().parents[2]
 LORA = ["model.lora.rank=8", "learner.world_size=2", "tracking.aim=false"]
 
 
-def launch(*arguments: str) -> subprocess.CompletedProcess:
+def launch(*arguments: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "asyncrl", "launch", *arguments]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
+    environment = {**os.environ, **(env or {})}
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=600, cwd=REPO, env=environment
+    )
 
 
 def test_a_lora_run_on_two_ranks_syncs_checkpoints_and_exports(tmp_path):
@@ -50,7 +57,8 @@ def test_a_lora_run_on_two_ranks_syncs_checkpoints_and_exports(tmp_path):
 
     records = read_metrics(run_dir)
     assert [r["version"] for r in records] == list(range(1, 7))
-    assert records[-1]["generators_weights_loads_shm_total"] >= 1  # the merged weights
+    assert records[-1]["generators_weights_loads_shm_total"] >= 1  # the adapters alone
+    assert records[-1]["buffer_refused_adapter"] == 0.0  # every replica applied each one
     assert records[-1].get("generators_weights_transfer_failures_total", 0.0) == 0.0
 
     final = run_dir / "final"
@@ -66,4 +74,45 @@ def test_a_lora_run_on_two_ranks_syncs_checkpoints_and_exports(tmp_path):
         unmerged = adapted(input_ids=tokens).logits
     assert not torch.allclose(before, merged)  # the run trained the adapters
     torch.testing.assert_close(unmerged, merged, rtol=1e-4, atol=1e-5)
+    assert processes_of(run_dir) == [], "the launcher left processes behind"
+
+
+@pytest.mark.parametrize("transport", ["zmq", "collective"])
+def test_adapters_alone_go_over_the_other_paths(tmp_path, transport):
+    run_dir = tmp_path / "run"
+    quickstart = str(REPO / "configs/quickstart.yaml")
+    done = launch(
+        quickstart, "model.lora.rank=8", "tracking.aim=false", "run.total_steps=4",
+        f"weights.transport={transport}", "--run-dir", str(run_dir),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    last = read_metrics(run_dir)[-1]
+    assert last["generators_weight_swaps_total"] >= 1, last
+    assert last.get("generators_weights_transfer_failures_total", 0.0) == 0.0
+    assert last["buffer_refused_adapter"] == 0.0
+    if transport == "collective":  # the chain: collective, then zmq
+        assert last["generators_weights_loads_collective_total"] >= 1, last
+    else:  # each transfer is the adapters' bytes, not the model's
+        config = load_config(run_dir / "config.yaml")
+        model, _ = build_policy(config.model, config.run.seed)
+        adapters = lora.inject_adapters(model, config.model.lora).state_dict().values()
+        size = sum(t.numel() * t.element_size() for t in adapters)
+        assert last["weights_transfers_finished_total"] >= 1
+        assert last["weights_bytes_sent_total"] == last["weights_transfers_finished_total"] * size
+
+
+def test_a_replica_that_keeps_the_base_model_has_its_samples_refused(tmp_path):
+    env, trigger = keep_base_env(tmp_path / "fault")
+    run_dir = tmp_path / "run"
+    quickstart = str(REPO / "configs/quickstart.yaml")
+    done = launch(
+        quickstart, "model.lora.rank=8", "tracking.aim=false", "run.total_steps=6",
+        "--run-dir", str(run_dir), env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert Path(f"{trigger}.taken").exists()  # one of the two replicas kept the base
+    last = read_metrics(run_dir)[-1]
+    assert last["buffer_refused_adapter"] > 0, last  # its samples past v0, every one
+    assert last["buffer_requeued_groups"] > 0  # and their groups went out again
+    assert last["version"] == 6  # the healthy replica's samples trained the run
     assert processes_of(run_dir) == [], "the launcher left processes behind"

@@ -1,5 +1,7 @@
 """``model.lora``: a single-rank learner (FSDP2 over a process group of one) trains only
-peft's adapters, publishes plain Hugging Face weights with the adapters folded in,
+peft's adapters, publishes them alone (an engine applying them computes the learner's
+policy, and reads back the digest the learner announces) or plain Hugging Face weights
+with the adapters folded in,
 checkpoints the adapters alone and resumes bit for bit, and exports a merged folder and
 an adapter that peft loads."""
 
@@ -68,8 +70,11 @@ def test_only_the_adapters_train_and_the_base_stays_as_loaded(ranks: Ranks):
     assert not {n for n in moved if "norm" in n or "embed" in n}  # no adapter there
 
 
+MERGED = "model.lora.publish=merged"
+
+
 def test_published_weights_are_peft_s_own_merge_under_the_plain_model_s_names(ranks: Ranks):
-    learner = trained(make_learner(ranks), range(2))
+    learner = trained(make_learner(ranks, MERGED), range(2))
     published = dict(learner.published_tensors())
     plain = build_policy(learner.config.model, learner.config.run.seed)[0]
     skipped = learner.tied_head
@@ -83,7 +88,7 @@ def test_published_weights_are_peft_s_own_merge_under_the_plain_model_s_names(ra
 
 
 def test_fresh_adapters_publish_the_base_model_exactly(ranks: Ranks):
-    learner = make_learner(ranks)
+    learner = make_learner(ranks, MERGED)
     plain = build_policy(learner.config.model, learner.config.run.seed)[0].state_dict()
     for name, tensor in learner.published_tensors():
         assert torch.equal(tensor, plain[name]), name  # B starts at zero
@@ -156,3 +161,42 @@ def test_kl_s_reference_is_the_policy_with_its_adapters_off(ranks: Ranks):
     base = Learner(config, ranks).proximal_logprobs(batch)["proximal"]  # full weights, v0
     torch.testing.assert_close(pre["reference"], base, rtol=0, atol=1e-5)
     assert not torch.allclose(pre["proximal"], pre["reference"], atol=1e-3)
+
+
+def test_published_adapters_applied_by_the_hf_engine_compute_the_learner_s_policy(
+    ranks: Ranks,
+):
+    from asyncrl.generators.hf_backend import HFBackend
+
+    learner = trained(make_learner(ranks), range(2))
+    published = list(learner.published_tensors())
+    names = {name for name, _ in published}
+    assert names and all(lora.is_adapter(name) and ".default." not in name for name in names)
+    adapted = {name.split(".lora_")[0] for name in names}
+    assert "model.layers.0.self_attn.q_proj" in adapted
+    plain, tokenizer = build_policy(learner.config.model, learner.config.run.seed)
+    engine = HFBackend(plain, tokenizer, learner.config.generators, adapters=learner.lora)
+    assert engine.adapter_digest == lora.BASE_DIGEST  # zero adapters: the base model
+    # what every weight path checks a version against: the adapters' layout, nothing else
+    from asyncrl.weights.checks import engine_layout
+
+    assert set(engine_layout(engine).specs) == names
+    engine.load_weights(dict(published), version=2)
+    digest = lora.adapter_digest(published)
+    assert engine.version == 2 and engine.adapter_digest == digest != lora.BASE_DIGEST
+    tokens = torch.arange(3, 19)[None]
+    learner.model.eval()
+    with torch.no_grad():
+        ours = learner.model(input_ids=tokens).logits
+        theirs = engine.model(input_ids=tokens).logits
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+
+
+def test_an_adapter_s_digest_names_its_values_and_zero_b_is_the_base():
+    a, b = torch.ones(2, 3), torch.zeros(3, 2)
+    assert lora.adapter_digest([("x.lora_A.weight", a), ("x.lora_B.weight", b)]) == "base"
+    b[0, 0] = 1e-6
+    one = lora.adapter_digest([("x.lora_A.weight", a), ("x.lora_B.weight", b)])
+    assert one == lora.adapter_digest([("x.lora_B.weight", b), ("x.lora_A.weight", a)])
+    a[1, 2] = 1.0 + 2**-20  # one value one ulp-ish away
+    assert lora.adapter_digest([("x.lora_A.weight", a), ("x.lora_B.weight", b)]) != one
