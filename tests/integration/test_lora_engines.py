@@ -104,7 +104,7 @@ def test_each_engine_applies_the_published_adapter_and_reports_its_digest(engine
 
 
 def test_an_adapter_of_another_layout_is_refused_before_anything_changes(engine):
-    name, backend, reference = engine
+    _, backend, reference = engine
     held, digest = backend.version, backend.adapter_digest
     published = new_adapters(reference, 21)
     first = next(iter(published))
