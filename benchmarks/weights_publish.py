@@ -5,8 +5,11 @@
     .venv/bin/python benchmarks/weights_publish.py --render docs/benchmarks/weights_publish.json
 
 Models: synthetic llama-shaped fp32 models of about 100M and 500M parameters,
-and the real policy, SmolLM2-135M-Instruct (its own tensors, read from
-``models/SmolLM2-135M-Instruct``). For each model and each path
+the real policy, SmolLM2-135M-Instruct (its own tensors, read from
+``models/SmolLM2-135M-Instruct``), and ``SmolLM2-LoRA16``: what a sync of that
+policy moves with ``model.lora`` at rank 16 on every linear layer (the adapters
+alone, as ``model.lora.publish: adapter`` publishes them; the replicas' stand-in
+holds their names and shapes, as the HF engine's LoRA layers do). For each model and each path
 (``weights_paths.py`` says how a path is driven, exactly as a run drives it),
 measured in the same run, side by side:
 
@@ -72,6 +75,8 @@ LAYER_WEIGHTS = (
     "mlp.down",
 )
 REAL = "SmolLM2-135M"
+REAL_LORA = "SmolLM2-LoRA16"
+LORA_RANK = 16
 REAL_DIR = ROOT / "models" / "SmolLM2-135M-Instruct"
 DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Weight publishing: bandwidth and learner stall"
@@ -204,11 +209,40 @@ def memcpy_runs(tensors: list[torch.Tensor], repeats: int) -> list[float]:
     return runs
 
 
+class LoraTrainer(RealTrainer):
+    """One training step of the real policy with rank-16 LoRA adapters: forward and
+    backward through peft's layers, fused AdamW over the adapters only."""
+
+    def __init__(self, tokens: int):
+        from asyncrl import lora
+        from asyncrl.config import LoraConfig
+
+        super().__init__(real_params(), tokens)
+        self.model = lora.with_adapters(self.model, LoraConfig(rank=LORA_RANK), seed=0).train()
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=1e-4, fused=True)
+
+
+def lora_params() -> dict[str, torch.Tensor]:
+    """The adapters the learner publishes for the real policy at rank 16 (random values)."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl import lora
+    from asyncrl.config import LoraConfig
+
+    model = AutoModelForCausalLM.from_pretrained(REAL_DIR, dtype=torch.float32)
+    adapters = lora.inject_adapters(model, LoraConfig(rank=LORA_RANK)).state_dict()
+    generator = torch.Generator().manual_seed(0)
+    return {name: torch.randn(t.shape, generator=generator) for name, t in adapters.items()}
+
+
 def model_params(name: str) -> tuple[dict[str, torch.Tensor], object]:
     """The tensors of model ``name`` and a trainer of one step over them."""
     if name == REAL:
         params = real_params()
         return params, lambda tokens: RealTrainer(params, tokens)
+    if name == REAL_LORA:
+        return lora_params(), LoraTrainer
     hidden, layers, vocab = SIZES[name]
     params = build_model(hidden, layers, vocab)
     return params, lambda tokens: Trainer(params, layers, vocab, tokens)
@@ -551,7 +585,7 @@ def write_section(body: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="10M, all paths, 1 and 2 replicas")
-    parser.add_argument("--models", default=f"100M,{REAL},500M")
+    parser.add_argument("--models", default=f"100M,{REAL},{REAL_LORA},500M")
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument(

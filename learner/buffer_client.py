@@ -66,6 +66,9 @@ class BufferClient:
         self.stop = stop
         self.abandoned = False
         """A batch request is out that this learner stopped waiting for."""
+        self.unanswered = 0
+        """Announcements a stop stopped waiting for: their answers, if any come, come
+        before the next request's and are read past."""
 
     def next_batch(
         self, policy_version: int, stop: Callable[[], bool] = lambda: False
@@ -91,13 +94,22 @@ class BufferClient:
             raise RuntimeError(f"buffer answered a batch request with {reply!r}")
         return collate(reply.samples, arrays, self.pad_id, self.device), reply.stats
 
-    def announce_adapter(self, version: int, digest: str) -> None:
-        """Tell the buffer ``version``'s adapter digest (before the version is published)."""
+    def announce_adapter(self, version: int, digest: str) -> bool:
+        """Tell the buffer ``version``'s adapter digest (before the version is published).
+        False when a stop cut the wait short: the version must not be published (the
+        buffer could not vouch for its samples), and the stopping learner need not."""
         request = AdapterPublished(version, digest)
         self.client.send(request)
-        reply, _ = self.reply_within(ANNOUNCE_TIMEOUT_S)
+        try:
+            reply, _ = self.reply_within(ANNOUNCE_TIMEOUT_S)
+        except TimeoutError:
+            if not self.stop():
+                raise
+            self.unanswered += 1  # a late answer comes before the next request's
+            return False
         if not isinstance(reply, Ack):
             raise RuntimeError(f"buffer answered {request!r} with {reply!r}")
+        return True
 
     def start_eval(self, number: int, policy_version: int) -> bool:
         """Start eval round ``number`` of ``policy_version``; False if the buffer did not
@@ -131,6 +143,9 @@ class BufferClient:
         limit_s = self.client.timeout_s if timeout_s is None else timeout_s
         try:
             self.client.send(request)
+            for _ in range(self.unanswered):  # answers to announcements given up on
+                self.reply_within(limit_s)
+            self.unanswered = 0
             reply, _ = self.reply_within(limit_s)
             if self.abandoned and isinstance(reply, Trajectories):
                 # the abandoned request's answer, sent before the buffer read this one,

@@ -9,6 +9,7 @@ released at a time); the other ranks only take part in the gathers
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
@@ -18,6 +19,8 @@ import torch
 from asyncrl import lora, progress
 from asyncrl.config import Config
 from asyncrl.learner.policy import Learner
+
+log = logging.getLogger("asyncrl.learner")
 
 
 class WeightSink(Protocol):
@@ -40,8 +43,9 @@ class Drain:
         return {}
 
 
-Announce = Callable[[int, str], None]
-"""Tells the buffer a version's adapter digest before any replica can fetch the version."""
+Announce = Callable[[int, str], bool]
+"""Tells the buffer a version's adapter digest before any replica can fetch the version;
+False when a stop cut it short (the version is then not published)."""
 
 
 class Publisher:
@@ -71,8 +75,11 @@ class Publisher:
         tensors = self.learner.published_tensors()
         if self.learner.publishes_adapters:  # megabytes: held whole to be digested first
             tensors = list(tensors)
-            if self.announce is not None:
-                self.announce(version, lora.adapter_digest(tensors))
+            if self.announce is not None and not self.announce(
+                version, lora.adapter_digest(tensors)
+            ):
+                log.info("v%d not published: stopping before the buffer took its digest", version)
+                return time.perf_counter() - started
         self.sink.publish(tensors, version)
         self.published = version
         return time.perf_counter() - started

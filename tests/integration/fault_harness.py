@@ -963,11 +963,12 @@ def note_contained(run: Launch, cases: dict[str, Case]) -> None:
         case.notes["ledger"] = ledger_now
 
 
-def stopping_faults(work: Path, size_mb: int = 64) -> dict[str, Case]:
+def stopping_faults(work: Path, size_mb: int = 64, extra: tuple[str, ...] = ()) -> dict[str, Case]:
     """One run, aim on (the quickstart's default), checkpoints every 4 steps, on a small
     tmpfs: kill -9 of learner rank 1 of 2, resume on one rank (DCP reshards); kill -9 of
     the launcher, resume; the disk kept full to its last page, then freed, resume to
-    the end. Without root (no tmpfs) it runs in a plain directory, without the disk fault."""
+    the end. Without root (no tmpfs) it runs in a plain directory, without the disk fault.
+    ``extra``: more overrides of the run (every resume keeps them: they are its config)."""
     cases = {
         "learner-rank": Case("kill -9 of a learner rank (rank 1 of 2)"),
         "launcher": Case("kill -9 of the launcher"),
@@ -977,7 +978,7 @@ def stopping_faults(work: Path, size_mb: int = 64) -> dict[str, Case]:
     with maybe_small_disk(work / "disk", size_mb) as why:
         run_dir = work / "disk" / "run"
         overrides = (LONG, "tracking.aim=true", "learner.world_size=2",
-                     f"learner.checkpoint_every={EVERY}")  # fmt: skip
+                     f"learner.checkpoint_every={EVERY}", *extra)  # fmt: skip
         run = start(run_dir, *overrides, logs=outputs)
         kill_role(run, cases["learner-rank"], 6, lambda: run.role("learner", rank=1))
         run = resume(run_dir, "learner.world_size=1", logs=outputs)
@@ -1020,10 +1021,12 @@ def resume_to_the_end(run_dir: Path, last: Case, cases: list[Case], outputs: Pat
     finally:
         run.kill()
     finished = final_ledger(run_dir) if status == 0 else None
+    refused = max((r.get("buffer_refused_adapter") or 0.0 for r in run.metrics()), default=0.0)
     for case in cases:
         case.resumed = status
         case.notes["ledger"] = finished
         case.notes["final step"] = run.trained_to()
+        case.notes["adapter samples refused"] = refused  # of every launch of the run
 
 
 def kill_role(

@@ -1,5 +1,7 @@
 """A generator started by hand joins a live run (`asyncrl generator`), its samples
-reach the learner, `asyncrl status` sees it, and stopping it loses nothing."""
+reach the learner, `asyncrl status` sees it, and stopping it loses nothing. The run trains
+LoRA adapters, published alone: the joined replica starts from the base and must apply
+the version it fetches, or its samples would be refused."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def test_a_generator_joins_mid_run_and_leaves_without_loss(tmp_path):
     launcher = subprocess.Popen(
         [
             sys.executable, "-m", "asyncrl", "launch", str(REPO / "configs/quickstart.yaml"),
-            f"run.total_steps={STEPS}", "tracking.aim=false", pools,
+            f"run.total_steps={STEPS}", "tracking.aim=false", pools, "model.lora.rank=8",
             "--run-dir", str(run_dir), "--quiet",
         ],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -84,6 +86,8 @@ def test_a_generator_joins_mid_run_and_leaves_without_loss(tmp_path):
     assert records[-1]["samples_total"] == STEPS * 256  # every step got a full batch
     assert records[-1]["pool_extra_samples_sent_total"] > 0
     assert records[-1]["pool_main_samples_sent_total"] > 0
+    assert records[-1]["buffer_refused_adapter"] == 0.0  # the joined replica applied them
+    assert records[-1]["pool_extra_weight_swaps_total"] >= 1
     joined_log = (tmp_path / "joined.log").read_text()
     assert "joined run" in joined_log and "left the run" in joined_log, joined_log
     trained = [

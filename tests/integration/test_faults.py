@@ -74,7 +74,9 @@ def test_reward_chunk_tracker_and_generator_faults_are_contained_and_the_run_goe
 
 
 def test_killed_rank_launcher_and_full_disk_stop_the_run_and_resume_goes_on(tmp_path):
-    cases = stopping_faults(tmp_path)
+    # with LoRA adapters, published alone: each resume reshards them (2 ranks -> 1) and
+    # re-announces its version's digest, and no sample made with another adapter trains
+    cases = stopping_faults(tmp_path, extra=("model.lora.rank=8",))
     rank, launcher = cases["learner-rank"], cases["launcher"]
 
     assert "learner rank 1 of 2 exited with status -9" in rank.message
@@ -93,6 +95,7 @@ def test_killed_rank_launcher_and_full_disk_stop_the_run_and_resume_goes_on(tmp_
         assert case.resumed_from == case.checkpoint, case.fault
         assert case.resumed == 0, case.fault
     assert_nothing_lost_unnamed(launcher.notes["ledger"])
+    assert launcher.notes["adapter samples refused"] == 0.0
     if "disk" not in cases:
         pytest.skip("the rest passed; no tmpfs to fill (mounting needs root)")
 

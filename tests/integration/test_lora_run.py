@@ -6,6 +6,7 @@ applies its adapters has its samples refused, not trained on."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -115,4 +116,23 @@ def test_a_replica_that_keeps_the_base_model_has_its_samples_refused(tmp_path):
     assert last["buffer_refused_adapter"] > 0, last  # its samples past v0, every one
     assert last["buffer_requeued_groups"] > 0  # and their groups went out again
     assert last["version"] == 6  # the healthy replica's samples trained the run
+    assert processes_of(run_dir) == [], "the launcher left processes behind"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="no vllm")
+def test_vllm_generators_serve_each_version_s_adapter_with_the_learner_s_logprobs(tmp_path):
+    run_dir = tmp_path / "run"
+    done = launch(
+        str(REPO / "configs/quickstart_vllm.yaml"), "model.lora.rank=8", "tracking.aim=false",
+        "run.total_steps=6", "--run-dir", str(run_dir),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = read_metrics(run_dir)
+    last = records[-1]
+    assert last["generators_weight_swaps_total"] >= 1, last
+    assert last["buffer_refused_adapter"] == 0.0
+    mismatch = [r["logprob_mismatch"] for r in records if r["logprob_mismatch"] is not None]
+    assert mismatch and max(mismatch) < 1e-4, mismatch  # vLLM's LoRA forward is the learner's
+    log = (run_dir / "logs" / "generator-0.log").read_text()
+    assert "loaded weights v" in log
     assert processes_of(run_dir) == [], "the launcher left processes behind"

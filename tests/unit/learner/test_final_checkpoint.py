@@ -11,6 +11,7 @@ import json
 import logging
 import random
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -233,6 +234,37 @@ def test_a_stop_cuts_a_wait_for_a_silent_buffer_short(monkeypatch):
             client.save_state(5)
         with pytest.raises(TimeoutError, match=cut):
             client.start_eval(1, 5)
+    finally:
+        context.destroy(linger=0)
+
+
+def test_a_stop_during_an_adapter_announcement_skips_it_and_the_save_reads_past_its_answer(
+    monkeypatch,
+):
+    from asyncrl.messages import Ack, AdapterPublished, SaveBufferState, decode, encode
+
+    monkeypatch.setattr(buffer_client, "FINAL_SAVE_TIMEOUT_S", 0.3)
+    context = zmq.Context()
+    try:
+        late = context.socket(zmq.ROUTER)  # answers only when the test says so
+        late.setsockopt(zmq.LINGER, 0)
+        port = late.bind_to_random_port("tcp://127.0.0.1")
+        stopping = [False]
+        client = BufferClient(context, tcp("127.0.0.1", port), 0, stop=lambda: stopping[0])
+        stopping[0] = True
+        assert client.announce_adapter(3, "a" * 32) is False  # not announced: not published
+        peer, *frames = late.recv_multipart()
+        assert isinstance(decode(frames)[0], AdapterPublished)
+        late.send_multipart([peer, *encode(Ack(accepted=1))])  # its answer, late
+        stopping[0] = False
+        saving = threading.Thread(target=client.save_state, args=(5, 5.0))
+        saving.start()  # its first answer to read is the announcement's
+        peer, *frames = late.recv_multipart()
+        assert isinstance(decode(frames)[0], SaveBufferState)
+        late.send_multipart([peer, *encode(Ack(accepted=1))])
+        saving.join(10)
+        assert not saving.is_alive() and client.unanswered == 0
+        assert client.client.socket.poll(200) == 0  # both answers read: none left over
     finally:
         context.destroy(linger=0)
 
