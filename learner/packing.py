@@ -20,7 +20,9 @@ of the padded batch up to float rounding (``tests/unit/learner/test_packing.py``
 
 Either way only the hidden states that predict a trained token go through the
 LM head (:func:`token_outputs`): ``[N, V]`` logits for the ``N`` trained tokens
-instead of ``[B, L, V]`` for every position, prompt and padding included.
+instead of ``[B, L, V]`` for every position, prompt and padding included, and not even
+those at once: a plain linear head is applied a chunk of tokens at a time, each chunk's
+logits recomputed in the backward (:func:`~asyncrl.learner.algorithms.head_token_outputs`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from asyncrl.learner.algorithms import entropy_from_logits, token_logprobs
+from asyncrl.learner.algorithms import entropy_from_logits, head_token_outputs, token_logprobs
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.microbatch import MicroBatch
 from asyncrl.learner.sharding import PolicyWithValueHead, language_model
@@ -208,12 +210,24 @@ def token_outputs(
     only on the hidden states that predict them. Gradients flow where the caller's grad
     mode lets them; the entropy gets one only as a ``"loss"`` term (a ``"metric"`` is
     computed without)."""
-    head = language_model(model).get_output_embeddings()
+    language = language_model(model)
+    head = language.get_output_embeddings()
+    softcap = getattr(language.config, "final_logit_softcapping", None)
+    chunked = type(head) is nn.Linear  # an adapted head (LoRA on lm_head) runs whole
     flat_source = inputs.source
+    computed: dict[str, tuple[Tensor, Tensor | None]] = {}
 
-    def select(_module: nn.Module, args: tuple) -> tuple:
+    def select(module: nn.Module, args: tuple) -> tuple:
         hidden = args[0]
-        return (hidden.reshape(-1, hidden.shape[-1])[flat_source], *args[1:])
+        hidden = hidden.reshape(-1, hidden.shape[-1])[flat_source]
+        if not chunked:
+            return (hidden, *args[1:])
+        # in the forward, where FSDP2 holds the head's weight gathered; the head itself
+        # then runs on no rows, so the model's own logits are [0, V]
+        computed["head"] = head_token_outputs(
+            hidden, module.weight, module.bias, inputs.targets, temperature, softcap, entropy
+        )
+        return (hidden[:0], *args[1:])
 
     hook = head.register_forward_pre_hook(select)
     try:
@@ -226,14 +240,10 @@ def token_outputs(
             logits, values = model(**kwargs).logits, None
     finally:
         hook.remove()
-    logits = logits.reshape(-1, logits.shape[-1])  # [N, V]
-    logprobs = token_logprobs(logits[None], inputs.targets[None], temperature)[0]
-    out_entropy = None
-    if entropy == "loss":
-        out_entropy = entropy_from_logits(logits, temperature)
-    elif entropy == "metric":
-        with torch.no_grad():
-            out_entropy = entropy_from_logits(logits, temperature)
+    if chunked:
+        logprobs, out_entropy = computed["head"]
+    else:
+        logprobs, out_entropy = _whole_head_outputs(logits, inputs, temperature, entropy)
     if values is not None:
         values = values.reshape(-1)[flat_source].float()
     return TokenOutputs(
@@ -241,6 +251,21 @@ def token_outputs(
         entropy=None if out_entropy is None else _scatter(out_entropy, inputs),
         values=None if values is None else _scatter(values, inputs),
     )
+
+
+def _whole_head_outputs(
+    logits: Tensor, inputs: ModelInput, temperature: float, entropy: str
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs and entropies from the head's ``[N, V]`` logits, all at once (a head that
+    is not a plain linear layer: its forward is the only way to its logits)."""
+    logits = logits.reshape(-1, logits.shape[-1])  # [N, V]
+    logprobs = token_logprobs(logits[None], inputs.targets[None], temperature)[0]
+    if entropy == "loss":
+        return logprobs, entropy_from_logits(logits, temperature)
+    if entropy == "metric":
+        with torch.no_grad():
+            return logprobs, entropy_from_logits(logits, temperature)
+    return logprobs, None
 
 
 def _scatter(values: Tensor, inputs: ModelInput) -> Tensor:

@@ -47,7 +47,8 @@ Modules, one job each:
 - :mod:`.value`: :func:`value_loss`; :mod:`.kl`: :func:`kl_estimate` (k1/k2/k3/abs to
   a frozen reference); :mod:`.kl_control`: the in-reward KL coefficient, fixed or
   adaptive (:func:`make_kl_controller`, :func:`batch_kl`); :mod:`.logprobs`:
-  :func:`token_logprobs`, :func:`entropy_from_logits`;
+  :func:`token_logprobs`, :func:`entropy_from_logits`, and both straight from the hidden
+  states through the LM head a chunk at a time, :func:`head_token_outputs`;
 - :mod:`.aggregation`: :func:`aggregate`, which takes *global* normalizers so that
   micro-batch losses summed over gradient accumulation and data-parallel ranks equal
   the full-batch loss; :mod:`.masked`: masked means and whitening.
@@ -77,7 +78,11 @@ from asyncrl.learner.algorithms.kl_control import (
     batch_kl,
     make_kl_controller,
 )
-from asyncrl.learner.algorithms.logprobs import entropy_from_logits, token_logprobs
+from asyncrl.learner.algorithms.logprobs import (
+    entropy_from_logits,
+    head_token_outputs,
+    token_logprobs,
+)
 from asyncrl.learner.algorithms.masked import masked_mean, masked_whiten
 from asyncrl.learner.algorithms.off_policy import off_policy_metrics
 from asyncrl.learner.algorithms.policy_loss import policy_loss
@@ -118,6 +123,7 @@ __all__ = [
     "gae_advantages",
     "grpo_advantages",
     "grpo_passk_advantages",
+    "head_token_outputs",
     "kl_estimate",
     "m2po_keep",
     "make_kl_controller",

@@ -1,10 +1,23 @@
-"""From logits to what the losses consume: token log-probs and entropies."""
+"""From logits to what the losses consume: token log-probs and entropies.
+
+:func:`head_token_outputs` goes from the hidden states through the LM head without ever
+holding every trained token's logits: a 262k vocabulary makes ``[N, V]`` fp32 logits
+(and their gradient) the largest tensors of a step, 1 GiB per 1,000 tokens.
+"""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 Tensor = torch.Tensor
+Entropy = Literal["none", "metric", "loss"]
+HEAD_CHUNK_ELEMENTS = 1 << 24
+"""Logits :func:`head_token_outputs` holds at a time (64 MiB in fp32): rows per chunk are
+this over the vocabulary size (64 rows of a 262k vocabulary, 341 of a 49k one)."""
 
 ENTROPY_CHUNK_ELEMENTS = 1 << 24
 """Without grad, :func:`entropy_from_logits` works on this many logits at a time (64 MiB fp32)."""
@@ -38,3 +51,63 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) ->
     """Log-prob of each target token under softmax(logits / temperature).  [B, T, V] -> [B, T]"""
     logits = logits.float() / temperature
     return torch.gather(logits.log_softmax(-1), -1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def head_token_outputs(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    entropy: Entropy = "none",
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs of ``targets`` [N] (and entropies) under ``softmax(head(hidden) /
+    temperature)``, ``head`` the linear layer ``weight`` [V, H], ``bias``, from ``hidden``
+    [N, H]: the values of :func:`token_logprobs` and :func:`entropy_from_logits` over the
+    head's logits, computed ``HEAD_CHUNK_ELEMENTS`` logits at a time.
+
+    With grad each chunk is checkpointed: its logits are dropped after the forward and
+    computed again in the backward, so neither pass ever holds more than one chunk's
+    fp32 logits and their softmax. ``softcap``: the model's final logit soft-capping
+    (``cap * tanh(logits / cap)``, Gemma's), applied before the temperature. The entropy
+    gets a gradient only as a ``"loss"`` term.
+    """
+    rows = max(1, HEAD_CHUNK_ELEMENTS // max(1, weight.shape[0]))
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    logprobs, entropies = [], []
+    for start in range(0, hidden.shape[0], rows):
+        args = (hidden[start : start + rows], weight, bias, targets[start : start + rows])
+        options = (temperature, softcap, entropy)
+        if grad:
+            part, part_entropy = checkpoint(_head_chunk, *args, *options, use_reentrant=False)
+        else:
+            part, part_entropy = _head_chunk(*args, *options)
+        logprobs.append(part)
+        entropies.append(part_entropy)
+    if not logprobs:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, None if entropy == "none" else empty
+    return torch.cat(logprobs), None if entropy == "none" else torch.cat(entropies)
+
+
+def _head_chunk(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    temperature: float,
+    softcap: float | None,
+    entropy: Entropy,
+) -> tuple[Tensor, Tensor]:
+    logits = F.linear(hidden, weight, bias).float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    z = logits / temperature
+    normalizer = torch.logsumexp(z, -1)
+    logprobs = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normalizer
+    if entropy == "none":
+        return logprobs, logprobs.new_zeros(0)
+    with torch.set_grad_enabled(entropy == "loss" and torch.is_grad_enabled()):
+        entropies = normalizer - (torch.softmax(z, -1) * z).sum(-1)
+    return logprobs, entropies if entropy == "loss" else entropies.detach()

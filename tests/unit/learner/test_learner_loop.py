@@ -7,6 +7,9 @@ import inspect
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
+
+from asyncrl import lora
 from asyncrl.config import load_config
 from asyncrl.learner import trainer
 from asyncrl.learner.batch_source import Fetched
@@ -22,6 +25,7 @@ class FakeLearner:
         self.config = load_config(None, ["model.tiny={}", *overrides])
         self.version = version
         self.drained: list[int] = []
+        self.publishes_adapters = self.config.model.publishes_adapters
 
     def proximal_logprobs(self, batch) -> dict:
         self.calls.append(("proximal", batch))
@@ -34,8 +38,8 @@ class FakeLearner:
         return {"loss_policy": 0.5}
 
     def published_tensors(self):
-        for name in ("a", "b"):  # a collective: every rank must drain it
-            yield name, None
+        for name in ("a.lora_A.weight", "a.lora_B.weight"):  # a collective: every rank drains
+            yield name, torch.full((2, 2), float(self.version))
         self.drained.append(self.version)
 
     def save_checkpoint(self, path: Path) -> bool:
@@ -121,6 +125,34 @@ def test_every_rank_publishes_the_versions_due_and_only_rank_0_keeps_the_tensors
         publisher.finish()  # the final eval (eval.at_end) needs version 3 published
         assert learner.drained == [0, 2, 3]
     assert published == [0, 2, 3]
+
+
+def test_adapters_are_announced_before_they_are_published_and_not_published_unannounced():
+    learner = FakeLearner([], "model.lora.rank=4")
+    events: list[tuple] = []
+    answers = iter([True, False])  # the buffer took v0's digest; a stop cut v1's short
+
+    def announce(version: int, digest: str) -> bool:
+        events.append(("announce", version, digest))
+        return next(answers)
+
+    class Sink(Drain):
+        def publish(self, tensors, version: int) -> None:
+            events.append(("publish", version, [name for name, _ in tensors]))
+
+    publisher = Publisher(learner, learner.config, Sink(), announce=announce)
+    publisher.publish()
+    learner.version = 1
+    publisher.publish()
+    digest = lora.adapter_digest(
+        [(n, torch.zeros(2, 2)) for n in ("a.lora_A.weight", "a.lora_B.weight")]
+    )
+    assert events == [
+        ("announce", 0, digest),
+        ("publish", 0, ["a.lora_A.weight", "a.lora_B.weight"]),
+        ("announce", 1, events[2][2]),
+    ]
+    assert events[2][2] != digest and publisher.published == 0  # v1 never went out
 
 
 def test_no_final_publish_without_a_final_eval():

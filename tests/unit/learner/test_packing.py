@@ -126,11 +126,15 @@ def test_learner_steps_packed_equal_the_padded_steps(ranks: Ranks, overrides: li
             assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-5), key
     # AdamW divides by the gradient's own size, so a rounding difference in a near-zero
     # gradient moves that weight by up to lr (0.01 here): a few weights may differ by a
-    # fraction of lr, but a packing error would move many of them
+    # fraction of lr, but a packing error would move many of them. Counted over the
+    # model: a key projection's bias has a zero gradient in exact arithmetic (softmax
+    # ignores a shift shared by every key), so its 32 weights move by rounding alone.
+    differences = []
     for name, tensor in padded_weights.items():
         difference = (packed_weights[name] - tensor).abs()
         assert difference.max() <= 0.1 * LR, name
-        assert (difference > 1e-5).float().mean() <= 0.01, name
+        differences.append(difference.reshape(-1))
+    assert (torch.cat(differences) > 1e-5).float().mean() <= 0.01
 
 
 def test_a_model_that_reads_packed_input_differently_is_not_packed(ranks: Ranks, monkeypatch):
