@@ -126,9 +126,11 @@ def _preflight(config, *, data: bool = True, machine: bool = True) -> int:
     from asyncrl.preflight import PreflightError, preflight
 
     try:
-        preflight(config, data=data, machine=machine)
+        notes = preflight(config, data=data, machine=machine)
     except PreflightError as error:
         return _problems("the run cannot start", error.problems)
+    for note in notes:
+        print(f"asyncrl: {note}", file=sys.stderr)
     return 0
 
 

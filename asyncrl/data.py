@@ -3,17 +3,20 @@
 Each row (a JSONL line, or a parquet row) holds::
 
     prompt         [{"role": "user", "content": "..."}, ...]   chat messages
+                   or "Question: ... Answer:"                 plain text
     data_source    "openai/gsm8k"            picks the reward function
     reward_model   {"ground_truth": "72", ...}
     extra_info     {...}                     optional; passed to the reward function
 
-The prompt is rendered with the tokenizer's chat template (with the generation
-prompt); rows whose rendering is longer than ``max_prompt_tokens`` are dropped
-and counted (``filtered_too_long``). ``dataset[i]`` is a pure function of
-``i``: with ``n`` rows kept, index ``i`` is position ``i % n`` of epoch
-``i // n``, whose order is a permutation seeded by ``(seed, epoch)`` (or the
-file order, without ``shuffle``). So the buffer's cursor, an int, is all the
-state a resumed run needs.
+Chat messages are rendered with the tokenizer's chat template (with the generation
+prompt); plain text is used as it is, tokenized with the tokenizer's own rule for
+special tokens (a BOS first where the tokenizer adds one), which is how a base model
+without a chat template is prompted. Rows whose rendering is longer than
+``max_prompt_tokens`` are dropped and counted (``filtered_too_long``).
+``dataset[i]`` is a pure function of ``i``: with ``n`` rows kept, index ``i`` is
+position ``i % n`` of epoch ``i // n``, whose order is a permutation seeded by
+``(seed, epoch)`` (or the file order, without ``shuffle``). So the buffer's cursor,
+an int, is all the state a resumed run needs.
 
 Every problem with a file is a :class:`DataError` of one line naming the file
 and, for a row, its number (JSONL: the line; parquet: the row, both from 1):
@@ -58,7 +61,7 @@ class PromptRow:
     source: str = ""
     """``file:row`` it came from (row numbers from 1)."""
     messages: list[dict[str, str]] = field(default_factory=list)
-    """The prompt as chat messages, before rendering."""
+    """The prompt as chat messages, before rendering; empty for a plain-text prompt."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,12 @@ class Row:
     ground_truth: str
     extra_info: dict
     source: str
+    text: str | None = None
+    """The prompt as plain text (``messages`` then empty); None: chat messages."""
+
+    @property
+    def form(self) -> str:
+        return "chat" if self.text is None else "text"
 
 
 class PromptDataset:
@@ -92,7 +101,6 @@ class PromptDataset:
             files = [files]
         if not files:
             raise DataError("no data files given")
-        require_chat_template(tokenizer)
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.shuffle = shuffle
@@ -101,7 +109,7 @@ class PromptDataset:
         self.rows: list[Row] = []
         for path in map(Path, files):
             for row in read_rows(path):
-                if len(self.render(row.messages, row.source)) > max_prompt_tokens:
+                if len(render_row(tokenizer, row)) > max_prompt_tokens:
                     self.filtered_too_long += 1
                 else:
                     self.rows.append(row)
@@ -125,10 +133,6 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def render(self, messages: list[dict[str, str]], where: str = "prompt") -> list[int]:
-        """Token ids of ``messages`` in the chat template, ending with the assistant's turn."""
-        return render_prompt(self.tokenizer, messages, where)
-
     def row_index(self, index: int) -> int:
         """Which kept row dataset index ``index`` is (its epoch's permutation applied)."""
         if index < 0:
@@ -148,7 +152,7 @@ class PromptDataset:
         row = self.rows[self.row_index(index)]
         return PromptRow(
             index,
-            self.render(row.messages, row.source),
+            render_row(self.tokenizer, row),
             row.data_source,
             row.ground_truth,
             row.extra_info,
@@ -157,13 +161,24 @@ class PromptDataset:
         )
 
 
-def require_chat_template(tokenizer) -> None:
-    """Chat-message prompts need the tokenizer's chat template: say so before any row."""
+def render_row(tokenizer, row: Row) -> list[int]:
+    """The prompt token ids of ``row``: its text as it is, or its messages in the chat
+    template (a :class:`DataError` naming the row when the tokenizer has none)."""
+    if row.text is not None:
+        return encode_text(tokenizer, row.text)
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(
-            "the tokenizer has no chat template, so chat-message prompts cannot be rendered; "
-            "use a model whose tokenizer has one, or set tokenizer.chat_template"
+            f"{row.source}: a chat-message prompt, and the tokenizer has no chat template "
+            "(a base model?): give the prompt as a plain string instead, or use a model "
+            "whose tokenizer has one"
         )
+    return render_prompt(tokenizer, row.messages, row.source)
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """``text`` as token ids, with the special tokens the tokenizer adds itself (a BOS
+    first for Gemma's and Llama's; nothing for a ChatML tokenizer's)."""
+    return [int(token) for token in tokenizer(text, add_special_tokens=True)["input_ids"]]
 
 
 def render_prompt(tokenizer, messages: list[dict[str, str]], where: str) -> list[int]:
@@ -217,11 +232,18 @@ def _parse_row(raw: Any, where: str) -> Row:
         raise DataError(f"{where}: expected an object, got {type(raw).__name__}")
     messages = raw.get("prompt")
     if messages is None:
-        raise DataError(f"{where}: missing field 'prompt' (a list of chat messages)")
+        raise DataError(f"{where}: missing field 'prompt' (chat messages or a string)")
+    text = None
+    if isinstance(messages, str):
+        if not messages.strip():
+            raise DataError(f"{where}: 'prompt' is an empty string")
+        text, messages = messages, [{"role": "user", "content": messages}]
     if isinstance(messages, np.ndarray):
         messages = messages.tolist()
     if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: 'prompt' must be a non-empty list of {{role, content}} messages")
+        raise DataError(
+            f"{where}: 'prompt' must be a string or a non-empty list of {{role, content}} messages"
+        )
     for number, message in enumerate(messages):
         if (
             not isinstance(message, dict)
@@ -242,12 +264,14 @@ def _parse_row(raw: Any, where: str) -> Row:
     if not isinstance(extra_info, dict):
         raise DataError(f"{where}: 'extra_info' must be an object, got {type(extra_info).__name__}")
     _check_sendable(extra_info, where)
+    chat = [{"role": m["role"], "content": m["content"]} for m in messages]
     return Row(
-        [{"role": m["role"], "content": m["content"]} for m in messages],
+        [] if text is not None else chat,
         data_source,
         truth,
         extra_info,
         where,
+        text,
     )
 
 

@@ -34,6 +34,7 @@ naming it, and no process of it is left; this process never imports them.
 from __future__ import annotations
 
 import importlib.util
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,21 +82,23 @@ class Sample:
     extra_info: dict = field(default_factory=dict)
 
 
-def preflight(config: Config, *, data: bool = True, machine: bool = True) -> None:
-    """Raise :class:`PreflightError` listing every problem found.
+def preflight(config: Config, *, data: bool = True, machine: bool = True) -> list[str]:
+    """Raise :class:`PreflightError` listing every problem found; else return what was
+    found worth saying (each prompt file's prompt form: chat messages or plain text).
 
     ``data``: read the prompt files and load the tokenizer (without it a data
     run's reward function is loaded, not called). ``machine``: include
     :func:`machine_checks`.
     """
     problems: list[str] = []
+    notes: list[str] = []
     samples: list[Sample] = []
     tokenizer = _Tokenizer(config)
     if not config.data.train_files:
         samples.append(task_sample(config))
     elif data:
         rows: dict[str, Row] = {}
-        problems += check_data(config, tokenizer, rows)
+        problems += check_data(config, tokenizer, rows, notes)
         samples += [_row_sample(row) for row in rows.values()]
     environment_problems, environment_score = check_environment(config, tokenizer, data)
     problems += environment_problems
@@ -106,6 +109,7 @@ def preflight(config: Config, *, data: bool = True, machine: bool = True) -> Non
         problems += machine_checks(config)
     if problems:
         raise PreflightError(list(dict.fromkeys(problems)))  # each once (train and eval)
+    return notes
 
 
 def machine_checks(config: Config) -> list[str]:
@@ -170,9 +174,11 @@ def _local(name: str) -> bool:
 # prompt files
 
 
-def check_data(config: Config, tokenizer: _Tokenizer, first_rows: dict[str, Row]) -> list[str]:
+def check_data(
+    config: Config, tokenizer: _Tokenizer, first_rows: dict[str, Row], notes: list[str]
+) -> list[str]:
     """Problems of the prompt files the run reads. ``first_rows`` gets each data
-    source's first row (to call the reward function on)."""
+    source's first row (to call the reward function on); ``notes`` each file's form."""
     groups = [("data.train_files", config.data.train_files)]
     if config.eval.enabled:
         groups.append(("eval.files", config.eval.files))
@@ -184,6 +190,9 @@ def check_data(config: Config, tokenizer: _Tokenizer, first_rows: dict[str, Row]
         for path in files:
             check.file(path)
         problems += check.problems + check.none_fits()
+        notes += check.form_notes()
+        if config.environment is not None:
+            problems += check.text_for_environment()
     return problems + _unscored_sources(config, first_rows.values())
 
 
@@ -195,7 +204,11 @@ class _FilesCheck:
     limit: int
     first_rows: dict[str, Row]
     template: Any = None
-    """The tokenizer, once it is known to have a chat template."""
+    """The tokenizer, once it loaded."""
+    model: str = ""
+    """What the tokenizer is, for messages."""
+    forms: dict[str, Counter] = field(default_factory=dict)
+    """Per file, its rows by prompt form (``chat``, ``text``)."""
     problems: list[str] = field(default_factory=list)
     rows: int = 0
     rendered: int = 0
@@ -203,30 +216,32 @@ class _FilesCheck:
     shortest: int | None = None
 
     def use_tokenizer(self, config: Config, tokenizer: _Tokenizer) -> list[str]:
-        """Render with ``tokenizer``; its lacking a chat template is the problem."""
-        from asyncrl.data import DataError, require_chat_template
-
-        if tokenizer.get() is None:
-            return []
-        try:
-            require_chat_template(tokenizer.value)
-        except DataError as error:
+        """Render with ``tokenizer`` (chat rows need its chat template: a file of them
+        without one is a problem)."""
+        if tokenizer.get() is not None:
+            self.template = tokenizer.value
             name = config.model.name_or_path
-            where = f"model.name_or_path: {name}" if name else "model.tiny (its built-in tokenizer)"
-            return [f"{where}: {error}"]
-        self.template = tokenizer.value
+            self.model = name if name else "model.tiny (its built-in tokenizer)"
         return []
+
+    @property
+    def has_chat_template(self) -> bool:
+        return getattr(self.template, "chat_template", None) is not None
 
     def file(self, path: str) -> None:
         """Check every row of ``path``; render up to :data:`RENDER_LIMIT` of them."""
         from asyncrl.data import DataError, scan_rows
 
         bad = rendered = 0
+        forms = self.forms.setdefault(path, Counter())
         try:
             for item in scan_rows(path):
                 self.rows += 1
                 if not isinstance(item, DataError):
+                    forms[item.form] += 1
                     self.first_rows.setdefault(item.data_source, item)
+                    if item.form == "chat" and not self.has_chat_template:
+                        continue  # one problem for the file, below
                     if self.template is not None and rendered < RENDER_LIMIT:
                         rendered += 1
                         item = self._render(item)
@@ -239,19 +254,47 @@ class _FilesCheck:
         if bad > PROBLEMS_PER_FILE:
             more = bad - PROBLEMS_PER_FILE
             self.problems.append(f"{self.key}: {path}: {more} more bad rows not listed")
+        if forms["chat"] and self.template is not None and not self.has_chat_template:
+            self.problems.append(
+                f"{self.key}: {path}: {forms['chat']} chat-message prompts, and the tokenizer "
+                f"of {self.model} has no chat template (a base model?): give 'prompt' as a "
+                "plain string, or use a model whose tokenizer has one"
+            )
         self.rendered += rendered
 
     def _render(self, row: Row) -> Row | DataError:
         """``row`` after counting its rendered length, or the template's error."""
-        from asyncrl.data import DataError, render_prompt
+        from asyncrl.data import DataError, render_row
 
         try:
-            length = len(render_prompt(self.template, row.messages, row.source))
+            length = len(render_row(self.template, row))
         except DataError as error:
             return error
         self.fitting += length <= self.limit
         self.shortest = length if self.shortest is None else min(self.shortest, length)
         return row
+
+    def form_notes(self) -> list[str]:
+        """Which form each file's prompts take (how they are rendered)."""
+        how = {
+            "chat": "chat messages (the chat template)",
+            "text": "plain text (as it is, the tokenizer's BOS rule)",
+        }
+        return [
+            f"{self.key}: {path}: "
+            + ", ".join(f"{count} rows of {how[form]}" for form, count in sorted(forms.items()))
+            for path, forms in self.forms.items()
+            if forms
+        ]
+
+    def text_for_environment(self) -> list[str]:
+        """An environment's episodes start from chat messages: plain text cannot."""
+        return [
+            f"{self.key}: {path}: {forms['text']} plain-text prompts, but an environment "
+            "renders its turns from chat messages: give 'prompt' as messages"
+            for path, forms in self.forms.items()
+            if forms["text"]
+        ]
 
     def none_fits(self) -> list[str]:
         """Every row rendered and none fits in the limit: the buffer would refuse them."""
@@ -259,7 +302,7 @@ class _FilesCheck:
             return []
         return [
             f"{self.key}: none of the {self.rows} prompts fits in data.max_prompt_tokens="
-            f"{self.limit} once rendered with the chat template (the shortest has "
+            f"{self.limit} once rendered (the shortest has "
             f"{self.shortest} tokens)"
         ]
 

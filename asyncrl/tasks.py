@@ -156,7 +156,11 @@ def _checked_dataset(config: Config, files: list[str], shuffle: bool) -> PromptD
 
 def _row_item(config: Config, group_id: int, samples: int, row: PromptRow) -> WorkItem:
     """A prompt file's row as a group; with an environment it renders the row's messages."""
+    from asyncrl.data import DataError
     from asyncrl.messages import WorkItem
+
+    if config.environment is not None and not row.messages:
+        raise DataError(f"{row.source}: a plain-text prompt; an environment needs chat messages")
 
     return WorkItem(
         group_id,

@@ -38,6 +38,10 @@ from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.microbatch import MicroBatch
 from asyncrl.learner.sharding import PolicyWithValueHead, language_model
 
+CHUNKED_HEAD = True
+"""Apply a plain linear LM head a chunk of tokens at a time (:func:`token_outputs`); off
+only to measure what holding every trained token's logits costs
+(``benchmarks/head_memory.py``)."""
 MIN_PACK_LENGTH = 1024
 """Packed sequences are cut at the longest row of the micro-batch or this many tokens,
 whichever is more: attention over a packed sequence is dense, so its cost grows with
@@ -213,7 +217,7 @@ def token_outputs(
     language = language_model(model)
     head = language.get_output_embeddings()
     softcap = getattr(language.config, "final_logit_softcapping", None)
-    chunked = type(head) is nn.Linear  # an adapted head (LoRA on lm_head) runs whole
+    chunked = CHUNKED_HEAD and type(head) is nn.Linear  # an adapted head (LoRA) runs whole
     flat_source = inputs.source
     computed: dict[str, tuple[Tensor, Tensor | None]] = {}
 

@@ -103,7 +103,7 @@ def test_every_bad_file_and_row_is_listed_with_its_config_key(tmp_path, tokenize
         row("fine"),
         b"\xff not utf-8",
         b"{oops",
-        {"prompt": "text"},
+        {"prompt": 7},
         b"",
         row("the template refuses a system turn", system=True),
     )
@@ -120,7 +120,7 @@ def test_every_bad_file_and_row_is_listed_with_its_config_key(tmp_path, tokenize
         "save the file as UTF-8",
         f"data.train_files: {train}:3: not valid JSON at column 2: "
         "Expecting property name enclosed in double quotes",
-        f"data.train_files: {train}:4: 'prompt' must be a non-empty list of "
+        f"data.train_files: {train}:4: 'prompt' must be a string or a non-empty list of "
         "{role, content} messages",
         f"data.train_files: {train}:6: the chat template cannot render this prompt: "
         "TemplateError: System role not supported",
@@ -159,7 +159,7 @@ def test_prompts_that_never_fit_the_limit_are_one_problem(tmp_path, tokenizer_di
     config = config_for(tokenizer_dir, [train], "data.max_prompt_tokens=10")
     assert problems_of(config) == [
         "data.train_files: none of the 2 prompts fits in data.max_prompt_tokens=10 once "
-        "rendered with the chat template (the shortest has 30 tokens)"
+        "rendered (the shortest has 30 tokens)"
     ]
     preflight(config_for(tokenizer_dir, [train], "data.max_prompt_tokens=30"))
 
@@ -319,18 +319,35 @@ def test_the_shipped_smollm2_config_passes_and_a_bad_row_is_named(tmp_path):
     bad = jsonl(tmp_path / "bad.jsonl", row("1 + 1?", "2", "arithmetic"), b'{"prompt": []}')
     config.data.train_files = [str(bad)]
     assert problems_of(config) == [
-        f"data.train_files: {bad}:2: 'prompt' must be a non-empty list of "
+        f"data.train_files: {bad}:2: 'prompt' must be a string or a non-empty list of "
         "{role, content} messages"
     ]
 
 
-def test_prompt_files_with_the_tiny_models_tokenizer_are_one_problem(tmp_path):
-    """Its tokenizer has no chat template: said once, for train and eval files alike."""
-    train = jsonl(tmp_path / "train.jsonl", row("a"))
+def test_chat_prompts_for_a_tokenizer_without_a_chat_template_are_one_problem_a_file(
+    tmp_path,
+):
+    """The tiny model's tokenizer has none (a base model's has none either)."""
+    train = jsonl(tmp_path / "train.jsonl", row("a"), row("b"))
     overrides = [f"data.train_files=[{train}]", f"eval.files=[{train}]", "eval.every_steps=1"]
     problems = problems_of(load_config(None, ["model.tiny={}", *overrides]))
+    said = "2 chat-message prompts, and the tokenizer of model.tiny (its built-in tokenizer) "
+    advice = "has no chat template (a base model?): give 'prompt' as a plain string, or use "
     assert problems == [
-        "model.tiny (its built-in tokenizer): the tokenizer has no chat template, so "
-        "chat-message prompts cannot be rendered; use a model whose tokenizer has one, "
-        "or set tokenizer.chat_template"
+        f"{key}: {train}: {said}{advice}a model whose tokenizer has one"
+        for key in ("data.train_files", "eval.files")
+    ]
+
+
+def test_plain_text_prompts_need_no_chat_template_and_the_preflight_names_the_form(tmp_path):
+    text = {
+        "prompt": "12 + 30 =",
+        "data_source": "arithmetic",
+        "reward_model": {"ground_truth": "42"},
+    }
+    train = jsonl(tmp_path / "train.jsonl", text, text)
+    reward = "reward.function=examples/arithmetic/reward.py:compute_score"
+    config = load_config(None, ["model.tiny={}", f"data.train_files=[{train}]", reward])
+    assert preflight(config, machine=False) == [
+        f"data.train_files: {train}: 2 rows of plain text (as it is, the tokenizer's BOS rule)"
     ]

@@ -12,7 +12,7 @@ import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from asyncrl.config import ConfigError, load_config
@@ -65,6 +65,43 @@ def write_parquet(path, rows):
 @pytest.fixture(scope="module")
 def tokenizer():
     return chat_tokenizer()
+
+
+def base_tokenizer() -> PreTrainedTokenizerFast:
+    """:func:`chat_tokenizer` as a base model's: no chat template, a BOS before any text."""
+    tokenizer = chat_tokenizer()
+    bos = tokenizer.bos_token_id
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", bos)]
+    )
+    tokenizer.chat_template = None
+    return tokenizer
+
+
+def test_plain_text_prompts_are_used_as_they_are_with_the_tokenizer_s_bos(tmp_path):
+    base = base_tokenizer()
+    text = {**row("unused"), "prompt": "Q: 8 * 9 =\nA:"}
+    dataset = PromptDataset(write_jsonl(tmp_path / "a.jsonl", [text, text]), base, shuffle=False)
+    first = dataset[0]
+    assert first.prompt_ids == [
+        base.bos_token_id,
+        *base("Q: 8 * 9 =\nA:", add_special_tokens=False)["input_ids"],
+    ]
+    assert base.decode(first.prompt_ids, skip_special_tokens=True) == "Q: 8 * 9 =\nA:"
+    assert first.messages == []  # nothing for a chat template to render
+    # a chat prompt in the same file cannot be rendered without a template: named by row
+    with pytest.raises(DataError, match=r"b.jsonl:2: a chat-message prompt, and the tokenizer"):
+        PromptDataset(write_jsonl(tmp_path / "b.jsonl", [text, row("chat")]), base)
+
+
+def test_a_plain_text_prompt_and_an_environment_do_not_mix(tmp_path, tokenizer):
+    from asyncrl.data import PromptRow
+    from asyncrl.tasks import _row_item
+
+    config = load_config(None, ["model.tiny={}", "environment.name=tools"])
+    plain = PromptRow(0, [5, 6], "arithmetic", "42", source="a.jsonl:3")
+    with pytest.raises(DataError, match=r"a.jsonl:3: a plain-text prompt; an environment needs"):
+        _row_item(config, 0, 2, plain)
 
 
 def test_jsonl_rows_are_rendered_with_the_chat_template(tmp_path, tokenizer):
@@ -155,7 +192,8 @@ def test_the_order_is_a_seeded_permutation_per_epoch(tmp_path, tokenizer):
     "broken, message",
     [
         ({"prompt": None}, "missing field 'prompt'"),
-        ({"prompt": "What is 8 * 9?"}, "'prompt' must be a non-empty list"),
+        ({"prompt": {"text": "What is 8 * 9?"}}, "'prompt' must be a string or a non-empty list"),
+        ({"prompt": "  "}, "'prompt' is an empty string"),
         ({"prompt": [{"role": "user"}]}, r"prompt\[0\] must have string 'role' and 'content'"),
         ({"data_source": None}, "missing field 'data_source'"),
         ({"reward_model": {"style": "rule"}}, "missing field 'reward_model.ground_truth'"),
@@ -183,7 +221,9 @@ def test_file_problems_are_named(tmp_path, tokenizer):
     no_column = [{"prompt": r["prompt"], "data_source": r["data_source"]} for r in ROWS]
     with pytest.raises(DataError, match=r"b.parquet:1: missing field 'reward_model"):
         PromptDataset(write_parquet(tmp_path / "b.parquet", no_column), tokenizer)
-    with pytest.raises(DataError, match=r"no chat template"):
+    with pytest.raises(
+        DataError, match=r"a.jsonl:1: a chat-message prompt, and the tokenizer has no"
+    ):
         PromptDataset(write_jsonl(tmp_path / "a.jsonl", ROWS), build_tokenizer())
 
 
