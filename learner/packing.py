@@ -33,15 +33,20 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from asyncrl.learner.algorithms import entropy_from_logits, head_token_outputs, token_logprobs
+from asyncrl.learner.algorithms import (
+    entropy_from_logits,
+    head_token_outputs,
+    token_logprobs,
+)
+from asyncrl.learner.algorithms import logprobs as head_chunks
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.microbatch import MicroBatch
 from asyncrl.learner.sharding import PolicyWithValueHead, language_model
 
 CHUNKED_HEAD = True
-"""Apply a plain linear LM head a chunk of tokens at a time (:func:`token_outputs`); off
-only to measure what holding every trained token's logits costs
-(``benchmarks/head_memory.py``)."""
+"""Apply a plain linear LM head a chunk of tokens at a time when the trained tokens' logits
+would take more than ``HEAD_CHUNK_ELEMENTS`` (:func:`token_outputs`); off only to measure
+what holding every trained token's logits costs (``benchmarks/head_memory.py``)."""
 MIN_PACK_LENGTH = 1024
 """Packed sequences are cut at the longest row of the micro-batch or this many tokens,
 whichever is more: attention over a packed sequence is dense, so its cost grows with
@@ -217,7 +222,11 @@ def token_outputs(
     language = language_model(model)
     head = language.get_output_embeddings()
     softcap = getattr(language.config, "final_logit_softcapping", None)
-    chunked = CHUNKED_HEAD and type(head) is nn.Linear  # an adapted head (LoRA) runs whole
+    # chunks only where the logits would not fit in one; an adapted head (LoRA) runs whole
+    chunked = CHUNKED_HEAD and type(head) is nn.Linear
+    chunked = (
+        chunked and inputs.targets.numel() * head.out_features > head_chunks.HEAD_CHUNK_ELEMENTS
+    )
     flat_source = inputs.source
     computed: dict[str, tuple[Tensor, Tensor | None]] = {}
 

@@ -15,9 +15,11 @@ from torch.utils.checkpoint import checkpoint
 
 Tensor = torch.Tensor
 Entropy = Literal["none", "metric", "loss"]
-HEAD_CHUNK_ELEMENTS = 1 << 24
-"""Logits :func:`head_token_outputs` holds at a time (64 MiB in fp32): rows per chunk are
-this over the vocabulary size (64 rows of a 262k vocabulary, 341 of a 49k one)."""
+HEAD_CHUNK_ELEMENTS = 1 << 26
+"""Logits :func:`head_token_outputs` holds at a time (256 MiB in fp32): rows per chunk are
+this over the vocabulary size (256 rows of a 262k vocabulary, 1,365 of a 49k one). A
+quarter of it made Gemma-3-270M's step 36% slower instead of 11% (more passes over the
+head's weight and its gradient: ``benchmarks/head_memory.py``)."""
 
 ENTROPY_CHUNK_ELEMENTS = 1 << 24
 """Without grad, :func:`entropy_from_logits` works on this many logits at a time (64 MiB fp32)."""
@@ -67,13 +69,19 @@ def head_token_outputs(
     [N, H]: the values of :func:`token_logprobs` and :func:`entropy_from_logits` over the
     head's logits, computed ``HEAD_CHUNK_ELEMENTS`` logits at a time.
 
-    With grad each chunk is checkpointed: its logits are dropped after the forward and
-    computed again in the backward, so neither pass ever holds more than one chunk's
-    fp32 logits and their softmax. ``softcap``: the model's final logit soft-capping
-    (``cap * tanh(logits / cap)``, Gemma's), applied before the temperature. The entropy
-    gets a gradient only as a ``"loss"`` term.
+    Tokens whose logits fit in one chunk are computed as one, as the head itself would.
+    More are cut into chunks, and with grad each chunk is checkpointed: its logits are
+    dropped after the forward and computed again in the backward, so neither pass ever
+    holds more than one chunk's fp32 logits and their softmax. ``softcap``: the model's
+    final logit soft-capping (``cap * tanh(logits / cap)``, Gemma's), applied before the
+    temperature. The entropy gets a gradient only as a ``"loss"`` term.
     """
     rows = max(1, HEAD_CHUNK_ELEMENTS // max(1, weight.shape[0]))
+    if hidden.shape[0] <= rows:  # one chunk: kept for the backward, nothing recomputed
+        part, part_entropy = _head_chunk(
+            hidden, weight, bias, targets, temperature, softcap, entropy
+        )
+        return part, None if entropy == "none" else part_entropy
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     logprobs, entropies = [], []
     for start in range(0, hidden.shape[0], rows):
@@ -108,6 +116,7 @@ def _head_chunk(
     logprobs = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normalizer
     if entropy == "none":
         return logprobs, logprobs.new_zeros(0)
-    with torch.set_grad_enabled(entropy == "loss" and torch.is_grad_enabled()):
-        entropies = normalizer - (torch.softmax(z, -1) * z).sum(-1)
-    return logprobs, entropies if entropy == "loss" else entropies.detach()
+    if entropy == "metric":  # no grad, in smaller pieces than the chunk: no [rows, V] copies
+        with torch.no_grad():
+            return logprobs, entropy_from_logits(logits, temperature)
+    return logprobs, normalizer - (torch.softmax(z, -1) * z).sum(-1)

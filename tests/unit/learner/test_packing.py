@@ -14,6 +14,7 @@ from learner_testing import GROUP, TINY_LEARNER, synthetic_batch
 
 from asyncrl.config import load_config
 from asyncrl.learner import packing
+from asyncrl.learner.algorithms import logprobs as head_chunks
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.microbatch import MicroBatch
@@ -104,6 +105,42 @@ def test_packed_log_probs_entropies_values_and_gradients_equal_the_padded_ones(
         )
     torch.testing.assert_close(packed_grads, padded_grads, atol=1e-5, rtol=1e-4)
     assert (packed.logprobs[~trained] == 0).all()  # nothing computed where nothing trains
+
+
+@pytest.mark.parametrize("entropy", ["loss", "metric"])
+def test_the_head_in_chunks_through_fsdp_gives_the_whole_head_s_outputs_and_gradients(
+    ranks: Ranks, monkeypatch, entropy: str
+):
+    learner = make_learner(ranks, "learner.pack_sequences=false")
+    batch = shared_prompt_batch(0)
+    inputs = packed_input(whole(batch), batch, torch.device("cpu"))
+    vocab = len(build_tokenizer())
+    got = {}
+    for name, chunk in (("whole", None), ("chunked", 3 * vocab)):  # 3 tokens a chunk
+        if chunk is not None:
+            monkeypatch.setattr(head_chunks, "HEAD_CHUNK_ELEMENTS", chunk)
+        calls = []
+        monkeypatch.setattr(packing, "head_token_outputs", counted(calls))
+        learner.model.zero_grad(set_to_none=True)
+        out = token_outputs(learner.model, inputs, temperature=0.7, entropy=entropy)
+        assert bool(calls) == (chunk is not None)  # small logits stay whole
+        (out.logprobs * batch.loss_mask).sum().backward()
+        grads = torch.cat([p.grad.full_tensor().reshape(-1) for p in learner.model.parameters()])
+        got[name] = (out, grads)
+    (whole_out, whole_grads), (chunked_out, chunked_grads) = got["whole"], got["chunked"]
+    torch.testing.assert_close(chunked_out.logprobs, whole_out.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(chunked_out.entropy, whole_out.entropy, atol=1e-5, rtol=0)
+    torch.testing.assert_close(chunked_grads, whole_grads, atol=1e-5, rtol=1e-4)
+
+
+def counted(calls: list):
+    original = head_chunks.head_token_outputs
+
+    def head_token_outputs(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    return head_token_outputs
 
 
 @pytest.mark.parametrize(
