@@ -43,9 +43,22 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     else:
         tokenizer = AutoTokenizer.from_pretrained(gguf[0], gguf_file=gguf[1])
+        if gguf_adds_bos(Path(*gguf)):
+            tokenizer.add_bos_token = True  # transformers' conversion drops it
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def gguf_adds_bos(path: Path) -> bool:
+    """The GGUF file's ``tokenizer.ggml.add_bos_token``: whether its model expects a BOS
+    before any text (Gemma's does, and answers nonsense without one). transformers 5
+    reads the vocabulary from the file but not this flag, so text would be encoded
+    without the BOS the model was trained with."""
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).fields.get("tokenizer.ggml.add_bos_token")
+    return bool(field is not None and field.data and field.parts[field.data[0]][0])
 
 
 def load_pretrained(name_or_path: str, dtype: torch.dtype) -> torch.nn.Module:
