@@ -128,13 +128,13 @@ class HFBackend:
         """``adapters``: LoRA adapters published alone, applied to ``model`` as its base."""
         self.device = engine_device(sampling)
         self.model = model.to(self.device).eval()
-        self.weights: torch.nn.Module | lora.AdapterWeights = self.model
+        self.loads_into: torch.nn.Module | lora.AdapterWeights = self.model
         """What a version loads into: the model, or its LoRA adapters alone."""
         self.adapter_digest: str | None = None
         """The digest of the adapters held (read back after each load); None: no LoRA."""
         if adapters is not None:
-            self.weights = lora.inject_adapters(self.model, adapters)
-            self.adapter_digest = self.weights.digest()
+            self.loads_into = lora.inject_adapters(self.model, adapters)
+            self.adapter_digest = self.loads_into.digest()
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.version = 0
@@ -168,9 +168,11 @@ class HFBackend:
         checked first, each part is copied in as it comes, ``version`` holds after the last."""
         start = time.perf_counter()
         optional = set()
-        if self.weights is self.model and getattr(self.model.config, "tie_word_embeddings", False):
+        if self.loads_into is self.model and getattr(
+            self.model.config, "tie_word_embeddings", False
+        ):
             optional.add("lm_head.weight")  # tied to the embedding, may be omitted
-        load_module_in_parts(self.weights, optional, names, parts, version)
+        load_module_in_parts(self.loads_into, optional, names, parts, version)
         self._loaded(version)
         self.last_load_s = time.perf_counter() - start
 
@@ -178,7 +180,7 @@ class HFBackend:
         """``version`` is in the engine: later tokens get it, and its adapters' digest."""
         self.version = version
         if self.adapter_digest is not None:
-            self.adapter_digest = self.weights.digest()
+            self.adapter_digest = self.loads_into.digest()
 
     def weight_buffers(self, buckets: Sequence) -> list[torch.Tensor] | None:
         """The model's tensors as one flat buffer per bucket (see Backend): the collective
@@ -186,7 +188,7 @@ class HFBackend:
         self._receiving_since = time.perf_counter()
         if self.device.type != "cpu":  # the broadcast arrives in host buffers: load from them
             return None
-        self._homes = module_buffers(self.weights, buckets, self._homes)
+        self._homes = module_buffers(self.loads_into, buckets, self._homes)
         return self._homes
 
     def weights_written(self, version: int) -> None:

@@ -71,14 +71,14 @@ class _Entry(Protocol):
 
 def engine_layout(backend) -> Layout | None:
     """What ``backend`` takes: the state dict of what an in-process engine loads into
-    (``weights``: the model, or its LoRA adapters alone), else the engine's
+    (``loads_into``: the model, or its LoRA adapters alone), else the engine's
     ``parameter_specs`` (vLLM) or its ``parameter_names``; None when it says nothing."""
-    weights = getattr(backend, "weights", None)
+    loads_into = getattr(backend, "loads_into", None)
     model = getattr(backend, "model", None)
-    if weights is not None and weights is not model:  # LoRA adapters alone: nothing tied
+    if loads_into is not None and loads_into is not model:  # LoRA adapters: nothing tied
         specs = {
             name: Spec(tuple(t.shape), TORCH_DTYPES.get(t.dtype))
-            for name, t in weights.state_dict().items()
+            for name, t in loads_into.state_dict().items()
         }
         return Layout(specs, frozenset())
     if isinstance(model, torch.nn.Module):
