@@ -105,8 +105,9 @@ def test_connections_in_their_handshake_are_bounded_and_the_oldest_shut(buffer, 
     try:
         for stranger in strangers:
             stranger.stream(256 << 10)
-        # well within the handshake timeout (10 s): shut for their number, not their age
-        assert all(stranger.closed_by_server(within_s=5) for stranger in strangers[:40])
+        # before the handshake timeout (10 s), on a loaded machine too: shut for their
+        # number, not their age (the refusal counter below says which)
+        assert all(stranger.closed_by_server(within_s=9) for stranger in strangers[:40])
         assert not strangers[-1].closed_by_server(within_s=0.2)  # the newest stay
         # the gauge drops as the guard reaps each shut connection (on a loaded machine
         # a moment after the peer saw it shut)
