@@ -186,7 +186,7 @@ def check_data(
     for key, files in groups:
         check = _FilesCheck(key, config.data.max_prompt_tokens, first_rows)
         if any(Path(path).is_file() for path in files):
-            problems += check.use_tokenizer(config, tokenizer)
+            check.use_tokenizer(config, tokenizer)
         for path in files:
             check.file(path)
         problems += check.problems + check.none_fits()
@@ -215,14 +215,13 @@ class _FilesCheck:
     fitting: int = 0
     shortest: int | None = None
 
-    def use_tokenizer(self, config: Config, tokenizer: _Tokenizer) -> list[str]:
+    def use_tokenizer(self, config: Config, tokenizer: _Tokenizer) -> None:
         """Render with ``tokenizer`` (chat rows need its chat template: a file of them
         without one is a problem)."""
         if tokenizer.get() is not None:
             self.template = tokenizer.value
             name = config.model.name_or_path
             self.model = name if name else "model.tiny (its built-in tokenizer)"
-        return []
 
     @property
     def has_chat_template(self) -> bool:

@@ -607,17 +607,53 @@ def claimed_at(triggers: Path, name: str) -> float | None:
     return None
 
 
+HF_BACKEND_HOOK = '''
+
+import importlib.abc
+import importlib.util
+import sys
+
+
+class _Patch(importlib.abc.MetaPathFinder):
+    """Calls the site's ``patch(HFBackend)`` as soon as the HF backend's module is loaded."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "asyncrl.generators.hf_backend":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            patch(module.HFBackend)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if os.environ.get(TRIGGER_VARIABLE):
+    sys.meta_path.insert(0, _Patch())
+'''
+
+
+def plant_site(directory: Path, site: str, trigger_variable: str) -> str:
+    """Write ``site`` (its ``patch(HFBackend)``, then :data:`HF_BACKEND_HOOK`) as the
+    ``sitecustomize`` of ``directory/site``, active where ``trigger_variable`` is set;
+    returns the ``PYTHONPATH`` that plants it in every process of a launch."""
+    folder = directory / "site"
+    folder.mkdir(parents=True, exist_ok=True)
+    hook = HF_BACKEND_HOOK.replace("TRIGGER_VARIABLE", repr(trigger_variable))
+    (folder / "sitecustomize.py").write_text(site + hook)
+    return os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
+
+
 SLOW_CHUNK_SITE = '''
 """Planted by tests/integration/fault_harness.py: one engine call of one generator sleeps
 ASYNCRL_FAULT_SLOW_CHUNK_S seconds once the file ASYNCRL_FAULT_SLOW_CHUNK exists."""
-import importlib.abc
-import importlib.util
 import json
 import os
-import sys
 import time
-
-TARGET = "asyncrl.generators.hf_backend"
 
 
 def _slowed(generate_chunk):
@@ -640,37 +676,17 @@ def _slowed(generate_chunk):
     return generate_chunk_slowly
 
 
-class _Patch(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name != TARGET:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            module.HFBackend.generate_chunk = _slowed(module.HFBackend.generate_chunk)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-if os.environ.get("ASYNCRL_FAULT_SLOW_CHUNK"):
-    sys.meta_path.insert(0, _Patch())
+def patch(backend):
+    backend.generate_chunk = _slowed(backend.generate_chunk)
 '''
 
 
 def slow_chunk_env(directory: Path, seconds: float) -> tuple[dict[str, str], Path]:
     """The environment that plants a slow chunk (see :data:`SLOW_CHUNK_SITE`) and the
     trigger file to create when it should happen; ``TRIGGER.json`` records it."""
-    site = directory / "site"
-    site.mkdir(parents=True, exist_ok=True)
-    (site / "sitecustomize.py").write_text(SLOW_CHUNK_SITE)
     trigger = directory / "slow-chunk"
-    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
     env = {
-        "PYTHONPATH": path,
+        "PYTHONPATH": plant_site(directory, SLOW_CHUNK_SITE, "ASYNCRL_FAULT_SLOW_CHUNK"),
         "ASYNCRL_FAULT_SLOW_CHUNK": str(trigger),
         "ASYNCRL_FAULT_SLOW_CHUNK_S": str(seconds),
     }
@@ -687,12 +703,8 @@ KEEP_BASE_SITE = '''
 """Planted by tests/integration/fault_harness.py: the first generator to load LoRA adapters
 once the file ASYNCRL_FAULT_KEEP_BASE exists never applies any: it drops every version's
 adapters and says it loaded them (its engine keeps the base model)."""
-import importlib.abc
-import importlib.util
 import os
-import sys
 
-TARGET = "asyncrl.generators.hf_backend"
 broken = []
 
 
@@ -718,38 +730,18 @@ def _dropping(load_in_parts):
     return load_weights_in_parts
 
 
-class _Patch(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name != TARGET:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            backend = module.HFBackend
-            backend.load_weights_in_parts = _dropping(backend.load_weights_in_parts)
-            backend.weight_buffers = lambda self, buckets: None  # every path loads in parts
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-if os.environ.get("ASYNCRL_FAULT_KEEP_BASE"):
-    sys.meta_path.insert(0, _Patch())
+def patch(backend):
+    backend.load_weights_in_parts = _dropping(backend.load_weights_in_parts)
+    backend.weight_buffers = lambda self, buckets: None  # every path loads in parts
 '''
 
 
 def keep_base_env(directory: Path) -> tuple[dict[str, str], Path]:
     """The environment that plants a replica keeping the base model (see
     :data:`KEEP_BASE_SITE`), and the trigger file; ``TRIGGER.taken`` once one took it."""
-    site = directory / "site"
-    site.mkdir(parents=True, exist_ok=True)
-    (site / "sitecustomize.py").write_text(KEEP_BASE_SITE)
+    path = plant_site(directory, KEEP_BASE_SITE, "ASYNCRL_FAULT_KEEP_BASE")
     trigger = directory / "keep-base"
     trigger.touch()
-    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
     return {"PYTHONPATH": path, "ASYNCRL_FAULT_KEEP_BASE": str(trigger)}, trigger
 
 

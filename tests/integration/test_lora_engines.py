@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from test_backend_contract import BLOCK, MODEL, VLLM_MISSING, make_rollouts, run_to_completion
+from test_backend_contract import BLOCK, ENGINES, MODEL, make_rollouts, run_to_completion
 
 from asyncrl import lora
 from asyncrl.config import GeneratorsConfig, LoraConfig
@@ -24,16 +24,7 @@ ADAPTERS = LoraConfig(rank=8, alpha=16)
 TOLERANCE = {"hf": 1e-5, "vllm": 2e-3}
 
 
-@pytest.fixture(
-    scope="module",
-    params=[
-        "hf",
-        pytest.param(
-            "vllm",
-            marks=[pytest.mark.slow, pytest.mark.skipif(VLLM_MISSING, reason="no vllm")],
-        ),
-    ],
-)
+@pytest.fixture(scope="module", params=ENGINES)
 def engine(request, tmp_path_factory):
     model, tokenizer = build_policy(MODEL, seed=0)
     sampling = GeneratorsConfig(
