@@ -34,6 +34,18 @@ class Config(Section):
     """Multi-turn episodes (tool calling); unset: one model turn per sample."""
 
     @model_validator(mode="after")
+    def _tools_score_with_reward_function(self) -> Config:
+        """The built-in `tools` environment scores final answers with `reward.function`
+        unless its own `kwargs.compute_score` says otherwise: one reward setting serves
+        single-turn and multi-turn runs, and the preflight checks the same function."""
+        environment = self.environment
+        if environment is None or environment.name != "tools" or not self.reward.function:
+            return self
+        if "compute_score" not in environment.kwargs:
+            environment.kwargs = {**environment.kwargs, "compute_score": self.reward.function}
+        return self
+
+    @model_validator(mode="after")
     def _weights_fresh_enough(self) -> Config:
         k = self.buffer.max_staleness
         if self.learner.sync_interval > k + 1:
