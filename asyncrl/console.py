@@ -5,17 +5,21 @@ Two views with one interface (``update``, ``note``, ``close``), chosen by
 
 - :class:`LiveConsole` (a terminal): a ``rich`` live panel with step/total,
   ETA, version, reward, staleness, samples/s, the learner's wait fraction,
-  buffer fill, and per-pool replica health from the launcher's own process
-  table (alive, restarting, restart count).
+  buffer fill, turns and tool use when the batch held multi-turn episodes, and
+  per-pool replica health from the launcher's own process table (alive,
+  restarting, restart count).
 - :class:`PlainConsole` (``--quiet``, or stdout is not a terminal): one line per
   learner step, in a fixed format that scripts and tests parse::
 
       step   12/600  v12    reward 0.063  staleness 1.00/1  samples/s 1949.1  wait 32%
 
-  With ``eval`` on, once a round has reported, the line ends with the latest
-  held-out reward and the version it measured: ``  eval 0.412 @v10``. Lines
-  logged after training with eval results only (``eval_only``: the final
-  policy's round) get no line; the launcher's closing message reports it.
+  With multi-turn episodes in the step's batch (``episode_turns_mean`` logged),
+  ``  turns 2.1  tools 0.43`` follows ``wait``: turns per episode and the share of
+  episodes with a tool call that worked. With ``eval`` on, once a round has reported,
+  the line ends with the latest held-out reward and the version it measured:
+  ``  eval 0.412 @v10``. Lines logged after training with eval results only
+  (``eval_only``: the final policy's round) get no line; the launcher's closing
+  message reports it.
 
 Events (a generator restarted, the run stopping) go through ``note`` in both.
 
@@ -122,6 +126,8 @@ def step_line(record: dict, total_steps: int, latest_eval: dict | None = None) -
         f"samples/s {figure(m, 'samples_per_s', '.1f')}  "
         f"wait {figure(m, 'learner_wait_frac', '.0%')}"
     )
+    if has_episodes(m):
+        line += f"  {episode_text(m)}"
     if latest_eval is not None:
         line += f"  eval {eval_text(latest_eval)}"
     return line
@@ -131,6 +137,19 @@ def eval_text(record: dict) -> str:
     """``0.412 @v10``: a round's held-out reward and the version it evaluated."""
     version = figure(record, "eval_policy_version", ".0f")
     return f"{figure(record, 'eval_reward_mean', '.3f')} @v{version}"
+
+
+def episode_text(record: dict) -> str:
+    """``turns 2.1  tools 0.43``: a batch's turns per episode, and the share of its
+    episodes with at least one tool call that worked."""
+    turns = figure(record, "episode_turns_mean", ".1f")
+    return f"turns {turns}  tools {figure(record, 'episode_tool_success_frac', '.2f')}"
+
+
+def has_episodes(record: dict) -> bool:
+    """Whether ``record``'s batch held multi-turn episodes (single-turn lines stay as
+    they were)."""
+    return "episode_turns_mean" in record
 
 
 def has_eval(record: dict) -> bool:
@@ -252,6 +271,12 @@ class LiveConsole:
             "learner wait", figure(m, "learner_wait_frac", ".0%"),
             "buffer", buffer,
         )  # fmt: skip
+        if has_episodes(m):
+            table.add_row(
+                "turns", figure(m, "episode_turns_mean", ".1f"),
+                "tool success", figure(m, "episode_tool_success_frac", ".0%"),
+                "tool errors", figure(m, "episode_tool_error_frac", ".0%"),
+            )  # fmt: skip
         if self.latest_eval is not None:
             table.add_row("eval reward", eval_text(self.latest_eval))
         return table

@@ -61,6 +61,7 @@ __all__ = [
     "MAX_ADAPTER_DIGESTS",
     "MAX_ARRAY_DIM",
     "MAX_ARRAY_DIMS",
+    "MAX_EPISODE_COUNT",
     "MAX_EVAL_WAIT_S",
     "MAX_HEADER_BYTES",
     "MAX_MESSAGE_BYTES",
@@ -74,6 +75,7 @@ __all__ = [
     "BatchRequest",
     "Dimension",
     "Envelope",
+    "EpisodeCounts",
     "ErrorReply",
     "EvalResults",
     "EvalResultsRequest",
@@ -188,6 +190,32 @@ class WorkGrant(_Body, tag="work_grant"):
     retry_after_s: float = 0.0
 
 
+MAX_EPISODE_COUNT = 1 << 20
+"""The largest turn or tool-call count one episode may report: far above any real
+episode, low enough that a peer cannot skew a batch's means without bound."""
+EpisodeCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_EPISODE_COUNT)]
+
+
+class EpisodeCounts(msgspec.Struct, forbid_unknown_fields=True):
+    """What a multi-turn episode did, so the buffer can report turns and tool use per
+    batch and per eval round (the replica's own counters only add up over its life).
+
+    ``EpisodeCounts(turns=3, tool_calls=2, tool_errors=1)``. The buffer refuses
+    ``turns == 0`` and ``tool_errors > tool_calls`` (``bad_field``)."""
+
+    turns: EpisodeCount
+    """Model turns taken."""
+    tool_calls: EpisodeCount
+    """Tool calls attempted, malformed ones included."""
+    tool_errors: EpisodeCount
+    """Of those, the ones that could not be carried out."""
+
+    @property
+    def tool_succeeded(self) -> bool:
+        """At least one tool call was well formed and carried out."""
+        return self.tool_calls > self.tool_errors
+
+
 class TrajectoryMeta(msgspec.Struct, forbid_unknown_fields=True):
     """Per-sample fields of a trajectory; its tokens travel in the array frames."""
 
@@ -203,6 +231,9 @@ class TrajectoryMeta(msgspec.Struct, forbid_unknown_fields=True):
     """Why the reward is 0 when scoring failed (``error:timeout``, ...); empty if it did not."""
     eval_round: EvalRound = NOT_EVAL
     """The eval round of the WorkItem it was generated for; -1: a training sample."""
+    episode: EpisodeCounts | msgspec.UnsetType = msgspec.UNSET
+    """From a multi-turn episode that took at least one model turn: what it did. Left
+    out of the bytes when unset, so a single-turn sample encodes as it always did."""
 
 
 class Trajectories(_Body, tag="trajectories"):

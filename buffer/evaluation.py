@@ -13,7 +13,8 @@ number. Its groups are dispatched like training groups (whole, to one
 generator, requeued if that generator dies or leaves) but they are not
 training data: they are never admitted, held as ready, evicted or served. Each
 sample is reduced on arrival to what the round's results need (reward, length,
-finish reason, token versions), so eval costs the buffer no memory to speak of.
+finish reason, token versions, an episode's turn and tool counts), so eval costs the
+buffer no memory to speak of.
 
 Only one round runs at a time: a round due while the last one is still running
 is skipped and counted, not queued behind it. When the last sample of a round
@@ -38,7 +39,8 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
-from asyncrl.messages import NOT_EVAL, TrajectoryMeta, WorkItem
+from asyncrl.buffer.metrics import episode_figures
+from asyncrl.messages import NOT_EVAL, EpisodeCounts, TrajectoryMeta, WorkItem
 from asyncrl.trajectory import is_model_token
 
 _NAN = float("nan")
@@ -57,6 +59,8 @@ class EvalOutcome:
     """Oldest weight version among its model tokens; -1 when it has none."""
     version_max: int
     reward_error: bool
+    episode: EpisodeCounts | None = None
+    """A multi-turn episode's turns and tool calls; None for a single turn."""
 
 
 @dataclass
@@ -279,6 +283,7 @@ def outcome(meta: TrajectoryMeta, token_versions: np.ndarray) -> EvalOutcome:
         version_min=low,
         version_max=high,
         reward_error=bool(meta.reward_error),
+        episode=meta.episode if isinstance(meta.episode, EpisodeCounts) else None,
     )
 
 
@@ -302,12 +307,22 @@ def round_results(current: EvalRound, elapsed_s: float | None = None) -> dict[st
         "eval_version_min": float(min(o.version_min for o in versions)) if versions else _NAN,
         "eval_version_max": float(max(o.version_max for o in versions)) if versions else _NAN,
     }
+    results |= round_episode_results(outcomes)
     if elapsed_s is not None:
         results["eval_duration_s"] = elapsed_s
     if len(by_source) > 1:
         for source, rewards in sorted(by_source.items()):
             results[f"eval_reward_{metric_name(source)}"] = _mean(rewards)
     return results
+
+
+def round_episode_results(outcomes: list[EvalOutcome]) -> dict[str, float]:
+    """``eval_turns_mean``, ``eval_tool_calls_mean``, ``eval_tool_success_frac`` and
+    ``eval_tool_error_frac`` over the round's episodes: whether the policy uses its tools
+    on held-out prompts. Empty when the round has none, so a single-turn round's results
+    are what they were."""
+    counts = [o.episode for o in outcomes if o.episode is not None]
+    return {f"eval_{key}": value for key, value in episode_figures(counts).items()}
 
 
 def metric_name(data_source: str) -> str:

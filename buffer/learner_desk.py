@@ -1,7 +1,8 @@
 """The learner's side of the buffer: its batches, its eval rounds and results, its checkpoints.
 
 The learner has at most one batch request pending; it is answered when the
-store can form a batch, with the buffer's metrics and a finished eval round's
+store can form a batch, with the buffer's metrics, the batch's own episode figures
+(``episode_*``, when it holds multi-turn episodes) and a finished eval round's
 results riding along. Only the peer the last batch went to may hand it back
 (``SaveBufferState.abandoned_batch_request``), and only once. A request for
 eval results is held (:mod:`asyncrl.buffer.held`) until the running round
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from asyncrl.buffer.durable import write_atomically
 from asyncrl.buffer.held import HeldRequests, HeldResultsRequest
+from asyncrl.buffer.metrics import episode_metrics
 from asyncrl.buffer.store import BufferStore
 from asyncrl.messages import (
     Ack,
@@ -135,8 +137,9 @@ class LearnerDesk:
         batch = self.store.take_batch()
         if batch is None:
             return
-        stats = self.batch_stats() | self.store.batch_eval_results  # a finished round's, once
         metas, arrays = join_samples(batch)
+        stats = self.batch_stats() | episode_metrics(metas)  # turns and tools, with episodes
+        stats |= self.store.batch_eval_results  # a finished round's, once
         learner, self.pending_batch = self.pending_batch, None
         if await self.reply(learner, Trajectories(metas, stats), arrays):
             self.last_served_to, self.batch_taken_back = learner, False

@@ -9,11 +9,12 @@ the store and of the service's counters: nothing here changes state except
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from asyncrl.buffer.counters import REPORTED, Count
 from asyncrl.buffer.groups import SKIP_REASONS
+from asyncrl.messages import EpisodeCounts, TrajectoryMeta
 
 if TYPE_CHECKING:
     from asyncrl.buffer.store import BufferStore
@@ -161,6 +162,43 @@ def pools_summary(
             name = f"pool_{pool}_{key}_total"
             summary[name] = summary.get(name, 0.0) + value
     return summary
+
+
+TRUNCATED = frozenset({"length", "max_turns"})
+"""Finish reasons of an episode cut short: out of tokens, or of turns (a replica sends
+``max_turns`` as ``length``, so ``buffer.filter_truncated`` sees it; both count here)."""
+
+
+def episode_figures(counts: Sequence[EpisodeCounts]) -> dict[str, float]:
+    """``turns_mean``, ``tool_calls_mean``, ``tool_success_frac`` (the share of episodes
+    with a tool call that worked) and ``tool_error_frac`` (errors over calls, 0 without
+    calls) of some episodes, unprefixed: a batch's and an eval round's share them.
+    Empty for no episodes, so single-turn figures stay as they were."""
+    if not counts:
+        return {}
+    calls = sum(c.tool_calls for c in counts)
+    errors = sum(c.tool_errors for c in counts)
+    return {
+        "turns_mean": sum(c.turns for c in counts) / len(counts),
+        "tool_calls_mean": calls / len(counts),
+        "tool_success_frac": sum(c.tool_succeeded for c in counts) / len(counts),
+        "tool_error_frac": errors / calls if calls else 0.0,
+    }
+
+
+def episode_metrics(metas: Iterable[TrajectoryMeta]) -> dict[str, float]:
+    """``episode_*``: turns and tool use of a batch's episodes, and the share of them cut
+    short (``episode_truncated_frac``), for the step's line; empty when the batch holds
+    no episode. Samples without counts (single turns, episodes that never took a turn)
+    are left out of every figure."""
+    episodes = [(m.episode, m.finish_reason) for m in metas if isinstance(m.episode, EpisodeCounts)]
+    figures = episode_figures([counts for counts, _ in episodes])
+    if not figures:
+        return {}
+    truncated = sum(reason in TRUNCATED for _, reason in episodes) / len(episodes)
+    return {f"episode_{key}": value for key, value in figures.items()} | {
+        "episode_truncated_frac": truncated
+    }
 
 
 def _mean(total: int, count: int) -> float:

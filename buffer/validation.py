@@ -36,7 +36,9 @@ as ``buffer_rejected_<reason>``). The rules, by reason:
 ``bad_field``
     every sample names the sending generator; finish reasons and reward-error tags
     are short lower-case words (``error:timeout``), and at most
-    ``MAX_REWARD_ERROR_KINDS`` distinct tags are ever counted; a finite generate time.
+    ``MAX_REWARD_ERROR_KINDS`` distinct tags are ever counted; a finite generate time;
+    an episode's counts (``TrajectoryMeta.episode``) have at least one turn and no more
+    tool errors than tool calls.
 ``bad_stats``
     at most ``MAX_STATS`` entries, each a counter a replica reports
     (``REPLICA_STATS``, or ``env_<word>``) with a finite value of magnitude at most
@@ -60,9 +62,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 
-from asyncrl.messages import Trajectories, TrajectoryMeta, WireError, WorkItem
+from asyncrl.messages import EpisodeCounts, Trajectories, TrajectoryMeta, WireError, WorkItem
 from asyncrl.trajectory import (
     ENV_VERSION,
     ColumnLengthError,
@@ -317,6 +320,7 @@ def _check_metas(metas: list[TrajectoryMeta], limits: Limits, reward_errors: set
             raise WireError("bad_field", f"{where}: finish reason {meta.finish_reason[:40]!r}")
         if not math.isfinite(meta.generate_time_s):
             raise WireError("bad_field", f"{where}: generate time {meta.generate_time_s}")
+        _check_episode(meta.episode, where)
         error = meta.reward_error
         if error and error not in reward_errors:
             if not REWARD_ERROR.fullmatch(error):
@@ -324,6 +328,23 @@ def _check_metas(metas: list[TrajectoryMeta], limits: Limits, reward_errors: set
             if len(reward_errors) >= MAX_REWARD_ERROR_KINDS:
                 raise WireError("bad_field", f"{where}: too many kinds of reward error")
             reward_errors.add(error)
+
+
+def _check_episode(counts: EpisodeCounts | msgspec.UnsetType, where: str) -> None:
+    """Counts that could be true: the per-batch figures are means over them, so one
+    impossible sample would skew a step's line with no sign of where it came from."""
+    if counts is msgspec.UNSET:
+        return
+    if counts.turns == 0:
+        raise WireError(
+            "bad_field", f"{where}: episode.turns is 0 (an episode with no turn sends no counts)"
+        )
+    if counts.tool_errors > counts.tool_calls:
+        raise WireError(
+            "bad_field",
+            f"{where}: episode.tool_errors {counts.tool_errors} > episode.tool_calls "
+            f"{counts.tool_calls}",
+        )
 
 
 def _check_tokens(columns: Columns, limits: Limits, latest_version: int) -> None:

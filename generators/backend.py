@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
+    from asyncrl.messages import EpisodeCounts
+
 
 @dataclass
 class Rollout:
@@ -53,6 +55,9 @@ class Rollout:
     max_new_tokens: int | None = None
     """Response length at which this rollout ends with ``"length"``; None: the backend's
     ``max_new_tokens``. A multi-turn episode moves it on at every turn."""
+    episode: EpisodeCounts | None = None
+    """Set when a multi-turn episode that took a turn is over: what it did, sent with the
+    sample so the buffer can report turns and tool use per batch. None: a single turn."""
 
     @property
     def finished(self) -> bool:

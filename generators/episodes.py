@@ -33,6 +33,11 @@ costs one episode, scored 0 with an error tag and counted in ``stats``:
   ``data.max_prompt_tokens``: ``error:prompt_too_long`` (``prompt_too_long``),
   before any turn is generated.
 
+Each sample of an episode that took a turn carries its counts (``Rollout.episode``:
+turns, tool calls, tool errors) to the buffer, which reports them per batch and per
+eval round. ``stats["tool_s"]`` is the seconds the environment threads spent in
+``reset`` and ``step`` calls, to set against the replica's ``busy_s`` (generating).
+
 An episode that ends with a :class:`~asyncrl.envs.base.ScoreRequest` (the
 tool environment's final answer, when its reward function has a name) is
 scored by the replica's :class:`~asyncrl.rewards.RewardScorer`, in its worker
@@ -57,7 +62,7 @@ from asyncrl.envs.formatting import Codec, build_formatter
 from asyncrl.envs.rollout import EpisodeRunner
 from asyncrl.envs.threads import Job, StepPool
 from asyncrl.generators.backend import Rollout
-from asyncrl.messages import WorkItem
+from asyncrl.messages import MAX_EPISODE_COUNT, EpisodeCounts, WorkItem
 from asyncrl.rewards import RewardScorer, Score
 from asyncrl.trajectory import ENV_VERSION
 
@@ -74,6 +79,24 @@ STARTING = "starting"
 MAX_STUCK_THREADS = 64
 """Abandoned environment threads replaced by new ones; past it, steps that cannot start fail."""
 _LOGGED_PER_TAG = 5
+
+
+def episode_counts(runner: EpisodeRunner | None) -> EpisodeCounts | None:
+    """What an episode did, sent with its sample for the buffer's per-batch figures.
+
+    None when it took no model turn (its reset failed or timed out, its prompt was too
+    long): such an episode has nothing to measure, and the buffer refuses counts with
+    ``turns == 0``, so its sample goes as a single-turn one would, with its error tag.
+    The counts are clamped to what the buffer accepts (at most ``MAX_EPISODE_COUNT``, no
+    more errors than calls): an environment of one's own may report anything, and the
+    buffer refuses a whole message for one impossible sample."""
+    if runner is None or runner.num_turns < 1:
+        return None
+    turns, calls, errors = (
+        min(max(int(value), 0), MAX_EPISODE_COUNT)
+        for value in (runner.num_turns, runner.tool_calls, runner.tool_errors)
+    )
+    return EpisodeCounts(turns=turns, tool_calls=calls, tool_errors=min(errors, calls))
 
 
 def _name(episode: _Episode) -> str:
@@ -229,6 +252,7 @@ class Episodes:
                 continue
             finished.append(self._scored(episode))
         self.stats["stuck_threads"] = self.pool.stuck
+        self.stats["tool_s"] = self.pool.busy_s  # beside the replica's busy_s (generating)
         return continuing, finished
 
     def _answered(
@@ -364,6 +388,7 @@ class Episodes:
             self.stats["turns"] += runner.num_turns
             self.stats["tool_calls"] += runner.tool_calls
             self.stats["tool_errors"] += runner.tool_errors
+        rollout.episode = episode_counts(runner)
         self.stats[f"finish_{finish}"] += 1
         return rollout, score
 

@@ -452,6 +452,7 @@ class GeneratorReplica:
                     now - r.started_at,
                     reward_error=error or "",
                     eval_round=eval_round,
+                    episode=msgspec.UNSET if r.episode is None else r.episode,
                 )
             )
         return metas, build_columns(rollouts).to_wire()

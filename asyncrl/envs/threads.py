@@ -12,6 +12,9 @@ driver can only stop waiting for it. :class:`StepPool` makes that safe:
   always hangs cannot pile up threads without bound. Past that, calls run on
   the workers left, and :attr:`StepPool.stalled` says when there are none: the
   caller then fails the queued calls at once rather than waiting for ever.
+- ``busy_s`` adds up the seconds calls ran on the threads, measured on each thread
+  from the call's start to its end (a stuck call counts once it returns), so the time
+  spent in environments can be set against the time spent generating.
 - Its threads are daemons, so a stuck one never holds the process at exit
   (:class:`concurrent.futures.ThreadPoolExecutor` joins its threads when the
   interpreter exits: one stuck step would hang the generator's shutdown).
@@ -58,6 +61,8 @@ class StepPool:
         """Abandoned threads still inside their call."""
         self.abandoned = 0
         """Calls given up while running, in total."""
+        self.busy_s = 0.0
+        """Seconds the threads spent inside calls that have returned (or raised)."""
         self._cond = threading.Condition()
         self._queue: deque[Job] = deque()
         self._live = 0  # threads that are workers: not abandoned, not exited
@@ -127,15 +132,27 @@ class StepPool:
                 job = self._queue.popleft()
                 job.started_at = time.monotonic()
             if job.future.set_running_or_notify_cancel():
-                try:
-                    result = job.fn(*job.args)
-                except BaseException as error:  # SystemExit too: an environment must not end this
-                    job.future.set_exception(error)
-                else:
-                    job.future.set_result(result)
+                self._call(job)
             with self._cond:
                 if job.abandoned:  # given up while it ran: a replacement has taken this place
                     self.stuck -= 1
                     self._grow()
                     return
                 self._idle += 1
+
+    def _call(self, job: Job) -> None:
+        """Run ``job`` on this thread; its time is counted before its future is done, so
+        whoever sees the result sees the time too."""
+        assert job.started_at is not None
+        error: BaseException | None = None
+        try:
+            result = job.fn(*job.args)
+        except BaseException as raised:  # SystemExit too: an environment must not end this
+            result, error = None, raised
+        spent = time.monotonic() - job.started_at
+        with self._cond:
+            self.busy_s += spent
+        if error is None:
+            job.future.set_result(result)
+        else:
+            job.future.set_exception(error)

@@ -1,0 +1,58 @@
+"""A batch's episode figures go from the buffer's reply to the step's line of
+``metrics.jsonl`` (the learner merges the batch's ``stats`` whole), and on to the
+console's step line."""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+
+from test_buffer_episodes import episodes_of
+from test_buffer_eval_service import LEARNER, Recorded
+
+from asyncrl.config import load_config
+from asyncrl.console import step_line
+from asyncrl.learner.batch import collate
+from asyncrl.learner.batch_source import Fetched
+from asyncrl.learner.step_log import StepLog
+from asyncrl.messages import BatchRequest, EpisodeCounts, WorkRequest, decode, encode
+
+
+class KeepsArrays(Recorded):
+    """A recorded buffer that also keeps the arrays of its latest reply."""
+
+    async def _reply(self, identity: bytes, body, arrays=None) -> bool:
+        self.arrays = arrays
+        return await super()._reply(identity, body, arrays)
+
+
+def received_batch() -> tuple:
+    """A batch of episodes as the learner receives it: its body and its array frames."""
+    buffer = KeepsArrays()
+    try:
+        buffer.handle(b"g", WorkRequest("gen-g", 4))
+        first, second = buffer.last(b"g").items
+        buffer.handle(b"g", *episodes_of(first, "gen-g", EpisodeCounts(1, 1, 0)))
+        buffer.handle(b"g", *episodes_of(second, "gen-g", EpisodeCounts(3, 2, 2)))
+        buffer.handle(LEARNER, BatchRequest(policy_version=0))
+        body, arrays = buffer.last(LEARNER), buffer.arrays
+    finally:
+        buffer.close()
+    return decode([bytes(frame) for frame in encode(body, arrays)])
+
+
+def test_a_batch_s_episode_figures_reach_the_step_s_line(tmp_path):
+    reply, arrays = received_batch()
+    config = load_config(None, ["model.tiny={}", "tracking.aim=false"])
+    with ExitStack() as cleanup:
+        log = StepLog(config, tmp_path, None, dict, cleanup)
+        batch = collate(reply.samples, arrays, pad_id=0)
+        log.log(Fetched(batch, reply.stats, 0.0), 0, {"loss": 0.5}, 1.0, 0.0)
+    [line] = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    record = json.loads(line)
+    assert record["episode_turns_mean"] == 2.0
+    assert record["episode_tool_calls_mean"] == 1.5
+    assert record["episode_tool_success_frac"] == 0.5
+    assert record["episode_tool_error_frac"] == 4 / 6  # errors over calls
+    assert record["episode_truncated_frac"] == 0.0
+    assert step_line(record, 10).endswith("wait 0%  turns 2.0  tools 0.50")
