@@ -133,6 +133,53 @@ def test_the_head_in_chunks_through_fsdp_gives_the_whole_head_s_outputs_and_grad
     torch.testing.assert_close(chunked_grads, whole_grads, atol=1e-5, rtol=1e-4)
 
 
+def test_the_head_in_chunks_on_a_tied_gemma3_with_262k_tokens_gives_the_whole_head_s_outputs(
+    monkeypatch,
+):
+    """The same as above on Gemma-3's kind of head: tied to the embedding (whose gradient
+    then comes from the chunks and from the input side at once) over Gemma's 262,144-token
+    vocabulary, in a tiny random model (tests/integration/test_gemma_standin.py runs
+    such a model end to end). Rows longer than the sliding window: the padded layout."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    vocab = 262_144
+    config = Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, query_pre_attn_scalar=8,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+        max_position_embeddings=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    batch = shared_prompt_batch(0)
+    inputs = padded_input(whole(batch), batch, torch.device("cpu"))
+    assert inputs.targets.numel() * vocab <= head_chunks.HEAD_CHUNK_ELEMENTS  # whole unpatched
+    got = {}
+    for name, chunk in (("whole", None), ("chunked", 8 * vocab)):  # 8 tokens a chunk
+        if chunk is not None:
+            monkeypatch.setattr(head_chunks, "HEAD_CHUNK_ELEMENTS", chunk)
+        calls = []
+        monkeypatch.setattr(packing, "head_token_outputs", counted(calls))
+        model.zero_grad(set_to_none=True)
+        out = token_outputs(model, inputs, temperature=0.7, entropy="loss")
+        assert bool(calls) == (chunk is not None)
+        ((out.logprobs * batch.loss_mask).sum() + out.entropy.sum()).backward()
+        got[name] = (out, torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    (whole_out, whole_grads), (chunked_out, chunked_grads) = got["whole"], got["chunked"]
+    trained = batch.loss_mask.bool()
+    assert (whole_out.logprobs[trained] < 0).all()  # log-probs of real tokens, not fillers
+    torch.testing.assert_close(chunked_out.logprobs, whole_out.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(chunked_out.entropy, whole_out.entropy, atol=1e-5, rtol=0)
+    # the tied embedding's gradient reaches 48 here (Gemma scales the input embedding by
+    # sqrt(hidden)), and float32 rounding alone puts the whole head's up to 5e-5 from a
+    # float64 run's (the chunks' as far): an absolute 1e-5 of the largest gradient (5e-4),
+    # where a chunk gone wrong is off by the size of its gradients
+    scale = whole_grads.abs().max().item()
+    assert scale > 1
+    torch.testing.assert_close(chunked_grads, whole_grads, atol=1e-5 * scale, rtol=1e-4)
+
+
 def counted(calls: list):
     original = head_chunks.head_token_outputs
 
