@@ -23,9 +23,21 @@ from asyncrl.learner.batch_source import Fetched
 from asyncrl.learner.final_eval import FINAL_EVAL
 from asyncrl.paths import TRAINED_GROUPS
 from asyncrl.tracking import JsonLines, Tracker
-from asyncrl.trajectory import is_versioned
+from asyncrl.trajectory import is_model_token, is_versioned
 
 log = logging.getLogger("asyncrl.learner")
+
+
+def spanning_versions_frac(token_versions: torch.Tensor) -> float:
+    """The share of samples whose model tokens come from more than one weight version:
+    partial rollouts that an update reached mid-response or between an episode's turns.
+    ``token_versions``: ``[B, L]``, environment tokens and padding below 0."""
+    model = is_model_token(token_versions)
+    if not token_versions.numel():
+        return 0.0
+    high = token_versions.masked_fill(~model, -1).amax(dim=1)
+    low = token_versions.masked_fill(~model, torch.iinfo(token_versions.dtype).max).amin(dim=1)
+    return ((high > low) & model.any(dim=1)).float().mean().item()
 
 
 class StepLog:
@@ -86,6 +98,7 @@ class StepLog:
                 "samples_total": self.samples_total,
                 "samples_per_s": self.samples_total / elapsed,
                 "response_len_mean": batch.response_lengths.float().mean().item(),
+                "samples_spanning_versions_frac": spanning_versions_frac(batch.token_versions),
                 "learner_tokens_per_s": tokens / update_s if update_s > 0 else 0.0,
                 "learner_wait_s": wait_s,
                 "learner_wait_frac": self.wait_total / elapsed,

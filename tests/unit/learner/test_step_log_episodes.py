@@ -56,3 +56,22 @@ def test_a_batch_s_episode_figures_reach_the_step_s_line(tmp_path):
     assert record["episode_tool_error_frac"] == 4 / 6  # errors over calls
     assert record["episode_truncated_frac"] == 0.0
     assert step_line(record, 10).endswith("wait 0%  turns 2.0  tools 0.50")
+
+
+def test_samples_spanning_versions_are_those_with_model_tokens_of_two_versions():
+    import torch
+
+    from asyncrl.learner.step_log import spanning_versions_frac
+    from asyncrl.trajectory import ENV_VERSION
+
+    e = ENV_VERSION
+    versions = torch.tensor(
+        [
+            [3, 3, e, e, 4, 4],  # turns before and after an update, a tool reply between
+            [3, 3, 3, e, e, e],  # one version, then padding
+            [e, e, e, e, e, e],  # no model token
+            [5, e, 5, e, 5, e],  # one version around environment tokens
+        ]
+    )
+    assert spanning_versions_frac(versions) == 0.25
+    assert spanning_versions_frac(versions[1:]) == 0.0
