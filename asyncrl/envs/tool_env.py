@@ -56,8 +56,10 @@ You are provided with function signatures within <tools></tools> XML tags:
 For each function call, return a json object with function name and arguments \
 within <tool_call></tool_call> XML tags:
 <tool_call>
-{{"name": <function-name>, "arguments": <args-json-object>}}
+{"name": <function-name>, "arguments": <args-json-object>}
 </tool_call>"""
+"""The tool listing of the system message (the Qwen2.5/Hermes templates' wording);
+``{schemas}`` stands for the tools' JSON schemas, one per line."""
 
 
 def _number(text: str) -> float | None:
@@ -108,6 +110,7 @@ class ToolEnvironment(Environment):
         compute_score: ComputeScore | str | None = None,
         parser: str | ToolCallParser = "hermes",
         system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+        tools_prompt: str = TOOLS_PROMPT,
         max_turns: int | None = None,
         max_calls_per_turn: int = 4,
         max_tool_output_chars: int = 4000,
@@ -115,7 +118,11 @@ class ToolEnvironment(Environment):
         python_memory_mb: int = 512,
         defer_score: bool = False,
     ):
-        """``max_turns``, when given, lets the environment skip running tools on the
+        """``tools_prompt``: the tool listing after the system prompt, ``{schemas}`` in
+        it replaced by the schemas (no other braces are special); ``""`` leaves it
+        out, for a model shown the tools some other way (a small model may follow
+        worked examples in the prompt better than a long listing).
+        ``max_turns``, when given, lets the environment skip running tools on the
         last turn the driver allows (their output could not be shown).
         ``defer_score``: answer the final turn with a :class:`ScoreRequest` when the
         reward function has a name (see the module doc)."""
@@ -133,6 +140,7 @@ class ToolEnvironment(Environment):
         self.defer_score = defer_score
         self.parser = make_parser(parser)
         self.system_prompt = system_prompt
+        self.tools_prompt = tools_prompt
         self.max_turns = max_turns
         self.max_calls_per_turn = max_calls_per_turn
         self.max_tool_output_chars = max_tool_output_chars
@@ -145,9 +153,9 @@ class ToolEnvironment(Environment):
     def system_message(self, base: str | None = None) -> str:
         schemas = "\n".join(json.dumps(schema) for schema in self.tool_schemas())
         head = self.system_prompt if base is None else base
-        if not self.tools:
+        if not self.tools or not self.tools_prompt:
             return head
-        return f"{head}\n\n{TOOLS_PROMPT.format(schemas=schemas)}"
+        return f"{head}\n\n{self.tools_prompt.replace('{schemas}', schemas)}"
 
     def reset(self, row: Mapping[str, Any]) -> list[Message]:
         self._row = row

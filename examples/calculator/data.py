@@ -8,11 +8,14 @@ environment (``configs/smollm2_tools.yaml``)::
 
 Each prompt is a short conversation that shows the tool in use (two worked
 examples as earlier turns: the question, the assistant's ``<tool_call>``, the
-tool's answer, the assistant's reply), then the question. The environment puts
-the tools' listing in the system message. A model of this size copies a format
-it has seen in earlier turns far more often than one it is told about: measured
-on SmolLM2 at temperature 1, no tool call in 24 samples with the listing alone,
-about one in six well formed with the two examples. That is where RL starts.
+tool's answer, the assistant's reply), then the question; the config's
+``tools_prompt`` adds a one-line listing to the system message. A model of this
+size copies a format it has seen in earlier turns far more often than one it is
+told about. Measured on SmolLM2, 24 first turns at temperature 0.8: 8 well-formed
+calls behind the tool environment's full JSON-schema listing (427 prompt tokens),
+12 behind a one-line listing like the config's (223), 22 with no listing at all (207); with the
+listing alone and no examples, none in 24. The one-line listing leaves room to
+learn, and RL starts there.
 
 Each output row::
 

@@ -573,3 +573,15 @@ def test_step_timeout_is_validated():
     for bad in (0, -1, "soon"):
         with pytest.raises(ValueError, match="step_timeout_s"):
             EnvironmentConfig(name="tools", step_timeout_s=bad)
+
+
+def test_the_tool_listing_can_be_replaced_or_left_out():
+    short = 'Call it as <tool_call>{"name": ..., "arguments": ...}</tool_call>. Tools: {schemas}'
+    system, _ = ToolEnvironment(["calculator"], tools_prompt=short).reset(ROW)
+    schema = json.dumps(ToolEnvironment(["calculator"]).tools["calculator"].schema())
+    listing = short.replace("{schemas}", schema)
+    assert system["content"] == f"You are a helpful assistant.\n\n{listing}"
+    system, _ = ToolEnvironment(["calculator"], tools_prompt="", system_prompt="Hi.").reset(ROW)
+    assert system["content"] == "Hi."
+    default, _ = ToolEnvironment(["calculator"]).reset(ROW)
+    assert '{"name": <function-name>, "arguments": <args-json-object>}' in default["content"]
