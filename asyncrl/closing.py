@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Protocol
 
 from asyncrl.console import ReplicaHealth, figure
-from asyncrl.paths import FINAL, FINAL_EVAL, latest_checkpoint
+from asyncrl.paths import (
+    CHECKPOINTS,
+    COMPLETE,
+    FINAL,
+    FINAL_EVAL,
+    checkpoint_step,
+    latest_checkpoint,
+)
 from asyncrl.stop_signals import Interrupted, StopSignals
 
 DISK_NEARLY_FULL_BYTES = 16 * 2**20
@@ -95,6 +102,8 @@ def closing_message(run_dir: Path, status: int, failure: str | None, elapsed_s: 
     if wrote_final_policy(run_dir, time.time() - elapsed_s):  # stopped while evaluating it
         lines.append(f"asyncrl: training had finished; the final policy is in {run_dir / FINAL}")
         return "\n".join(lines)
+    if failure is None and (cut := cut_short_note(run_dir)) is not None:  # a stop's
+        lines.append(cut)
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
         lines.append("asyncrl: no complete checkpoint was written, so the run cannot be resumed")
@@ -104,6 +113,30 @@ def closing_message(run_dir: Path, status: int, failure: str | None, elapsed_s: 
             f"asyncrl launch --resume {run_dir}"
         )
     return "\n".join(lines)
+
+
+def cut_short_note(run_dir: Path) -> str | None:
+    """After a stop, one line when the newest checkpoint directory is incomplete (no
+    ``COMPLETE``): the learner was killed before its stop checkpoint was saved, because
+    the step it was in and the save took longer than ``learner.stop_timeout_s``.
+    The steps after the last complete checkpoint run again on resume; the line says so,
+    with the longest update this run logged, and what to raise. None otherwise."""
+    folders = [p for p in (run_dir / CHECKPOINTS).glob("step-*") if checkpoint_step(p)]
+    if not folders:
+        return None
+    newest = max(folders, key=checkpoint_step)
+    if (newest / COMPLETE).exists():
+        return None
+    from asyncrl.status import read_metrics
+
+    updates = [r.get("time_update_s") for r in read_metrics(run_dir)]
+    longest = max((u for u in updates if isinstance(u, (int, float))), default=None)
+    took = "" if longest is None else f" (an update of this run took up to {longest:.0f} s)"
+    return (
+        f"asyncrl: the checkpoint {newest.name} was cut short: the learner did not finish "
+        f"its step and save within learner.stop_timeout_s of the stop{took}; raise "
+        "learner.stop_timeout_s above a step and a save so a stop keeps its last step"
+    )
 
 
 def disk_full_note(run_dir: Path) -> str | None:

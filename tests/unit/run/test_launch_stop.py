@@ -166,3 +166,35 @@ def test_the_stop_removes_the_weights_segment_a_killed_learner_left(tmp_path: Pa
         assert not (tmp_path / POINTER_FILE).exists()
     finally:
         segment.unlink(missing_ok=True)  # this test's own, even when it fails
+
+
+def _checkpoints(run_dir, complete: dict[int, bool], updates: list[float]) -> None:
+    for step, done in complete.items():
+        folder = run_dir / "checkpoints" / f"step-{step:06d}"
+        folder.mkdir(parents=True)
+        if done:
+            (folder / "COMPLETE").write_text("")
+    lines = [
+        json.dumps({"step": i, "version": i + 1, "time_update_s": u}) for i, u in enumerate(updates)
+    ]
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_a_stop_checkpoint_cut_short_is_named_with_the_setting_to_raise(tmp_path):
+    """A stop during a step longer than learner.stop_timeout_s kills the learner mid-save:
+    the closing lines say which checkpoint was lost, why, and where the run resumes."""
+    _checkpoints(tmp_path, {4: True, 6: False}, [12.0, 31.0, 29.5])
+    message = closing.closing_message(tmp_path, 143, None, 1.0)
+    assert "the checkpoint step-000006 was cut short" in message
+    assert "took up to 31 s" in message and "raise learner.stop_timeout_s" in message
+    assert message.endswith(
+        f"continue the run from step-000004 with: asyncrl launch --resume {tmp_path}"
+    )
+
+
+def test_no_cut_short_line_when_the_newest_checkpoint_is_complete_or_the_run_failed(tmp_path):
+    _checkpoints(tmp_path / "stopped", {4: False, 6: True}, [30.0])
+    assert "cut short" not in closing.closing_message(tmp_path / "stopped", 143, None, 1.0)
+    _checkpoints(tmp_path / "failed", {4: True, 6: False}, [30.0])
+    failed = closing.closing_message(tmp_path / "failed", 1, "the learner exited with 1", 1.0)
+    assert "cut short" not in failed
