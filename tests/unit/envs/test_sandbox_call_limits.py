@@ -423,10 +423,10 @@ def test_a_cgroup_v2_call_is_killed_whole_and_removed():
             sys.executable,
             "-c",
             "import os, sys, time\n"
+            "sys.stdin.read()\n"  # in the cgroup before it forks, however late add() comes
             "if os.fork() == 0:\n"
             "    os.setsid()\n"
             "    time.sleep(60)\n"
-            "sys.stdin.read()\n"
             "time.sleep(60)\n",
         ],
         stdin=subprocess.PIPE,
