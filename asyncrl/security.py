@@ -172,6 +172,11 @@ def _why(cluster: ClusterConfig) -> str:
         return "cluster.auth=true requires the run's credentials"
     if cluster.curve is True:
         return "cluster.curve=true requires CURVE keys"
+    if cluster.joins_cluster:
+        return (
+            f"cluster.address={cluster.address} joins a Ray cluster, whose endpoints listen "
+            "on a node's network address, so every connection needs CURVE keys"
+        )
     return (
         f"cluster.bind={cluster.bind_address} is not a loopback interface, so every "
         "connection needs CURVE keys"

@@ -64,16 +64,44 @@ class ClusterConfig(Section):
             return False
 
     @property
+    def joins_cluster(self) -> bool:
+        """True when the run joins a Ray cluster beyond this machine's loopback: its
+        endpoints are then advertised on a node's network address, decided only once the
+        buffer is placed, so its credentials must be CURVE's from the start."""
+        if self.backend != "ray" or not self.address:
+            return False
+        import ipaddress
+
+        host = self.address.rsplit(":", 1)[0].strip("[]") if ":" in self.address else self.address
+        if host == "localhost":
+            return False
+        try:
+            return not ipaddress.ip_address(host).is_loopback
+        except ValueError:  # `auto` or a host name: the cluster may span machines
+            return True
+
+    @property
     def uses_curve(self) -> bool:
-        return self.curve is True or not self.binds_loopback
+        return self.curve is True or not self.binds_loopback or self.joins_cluster
 
     @model_validator(mode="after")
     def _curve_beyond_loopback(self) -> ClusterConfig:
         if not self.auth and self.uses_curve:
+            where = (
+                f"cluster.address={self.address}"
+                if self.joins_cluster
+                else f"cluster.bind={self.bind_address}"
+            )
             raise ValueError(
-                f"cluster.auth=false with cluster.bind={self.bind_address}"
+                f"cluster.auth=false with {where}"
                 f"{' and cluster.curve=true' if self.curve is True else ''}: CURVE "
                 "authenticates every peer; drop cluster.auth, or bind to 127.0.0.1 without curve"
+            )
+        if self.curve is False and self.joins_cluster:
+            raise ValueError(
+                f"cluster.curve=false with cluster.address={self.address}: the endpoints of "
+                "a run on a Ray cluster listen on a node's network address and must use CURVE "
+                "keys; drop cluster.curve (auto) and run `asyncrl keys RUN_DIR`"
             )
         if self.curve is False and not self.binds_loopback:
             raise ValueError(

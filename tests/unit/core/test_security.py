@@ -184,3 +184,37 @@ def test_a_role_without_its_credentials_is_told_how_to_get_them(tmp_path):
         client_context(config.cluster, "learner")
     with pytest.raises(ValueError, match="unknown role 'admin'"):
         client_context(config.cluster, "admin")
+
+
+@pytest.mark.parametrize("address", ["auto", "10.0.0.5:6379", "head-node:6379"])
+def test_joining_a_ray_cluster_requires_curve_from_the_start(address):
+    # the endpoints are advertised on the buffer's node address only once it is placed:
+    # credentials made for loopback before that left the learner with none it could use
+    joined = cluster("cluster.backend=ray", f"cluster.address={address}")
+    assert joined.bind_address == "127.0.0.1"  # not advertised yet
+    assert joined.joins_cluster and joined.uses_curve
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["cluster.backend=ray"],
+        ["cluster.backend=ray", "cluster.address=127.0.0.1:6379"],
+        ["cluster.backend=local", "cluster.address=auto"],
+    ],
+)
+def test_a_local_ray_or_a_loopback_head_keeps_loopback_credentials(overrides):
+    assert not cluster(*overrides).uses_curve
+
+
+def test_joining_a_cluster_without_keys_is_refused_before_anything_starts(tmp_path):
+    config = load_config(QUICKSTART, ["cluster.backend=ray", "cluster.address=auto"])
+    with pytest.raises(SecurityError) as error:
+        resolve_keys(config, tmp_path / "run")
+    assert "cluster.address=auto joins a Ray cluster" in str(error.value)
+    assert f"asyncrl keys {tmp_path / 'run'}" in str(error.value)
+
+
+def test_curve_cannot_be_turned_off_when_joining_a_cluster():
+    with pytest.raises(ConfigError, match=r"cluster\.curve=false with cluster\.address=auto"):
+        cluster("cluster.backend=ray", "cluster.address=auto", "cluster.curve=false")
