@@ -264,6 +264,9 @@ class RayActors:
         cluster = self.config.cluster
         host = cluster.host if cluster.address is None else buffer.info["ip"]
         wanted = [key for key in ("buffer_port", "weights_port") if not getattr(cluster, key)]
+        weights = self.config.weights
+        if weights.transport == "collective" and not weights.group_port:
+            wanted.append("group_port")  # the learner's group store, on the buffer's node too
         picked = self.ray.get(buffer.actor.free_ports.remote(host, len(wanted)))
         config = advertise(self.config, host, dict(zip(wanted, picked, strict=True)))
         size = len(ranks)

@@ -80,9 +80,14 @@ def local_resources(config: Config) -> dict[str, float]:
 
 
 def advertise(config: Config, host: str, ports: dict[str, int]) -> Config:
-    """``config`` with the endpoints' address and ports as every role must see them."""
-    update = {"host": host, **ports}
-    return config.model_copy(update={"cluster": config.cluster.model_copy(update=update)})
+    """``config`` with the endpoints' address and ports as every role must see them
+    (``group_port`` among ``ports`` is the collective weight path's group store)."""
+    ports = dict(ports)
+    weights = config.weights
+    if "group_port" in ports:
+        weights = weights.model_copy(update={"group_port": ports.pop("group_port")})
+    cluster = config.cluster.model_copy(update={"host": host, **ports})
+    return config.model_copy(update={"cluster": cluster, "weights": weights})
 
 
 def rank_env(

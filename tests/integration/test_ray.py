@@ -110,6 +110,9 @@ class FakeActor:
     def __init__(self, ray: FakeRay):
         info = {"ip": "10.0.0.9", "node_id": "abcdef12", "pid": 4242}
         self.start = SimpleNamespace(remote=lambda *args: FakeRef(info, done=True))
+        self.free_ports = SimpleNamespace(
+            remote=lambda host, count: FakeRef(list(range(41000, 41000 + count)), done=True)
+        )
         self.run = SimpleNamespace(
             remote=lambda argv, env, credentials: ray.started(self, argv, credentials)
         )
@@ -187,6 +190,18 @@ def supervised(tmp_path: Path, script: Callable[[FakeRay], None]) -> tuple:
     run.create_actors()
     run.run_roles()
     return run.supervise(console), ray, console
+
+
+@pytest.mark.parametrize("transport", ["collective", "zmq"])
+def test_the_endpoints_ray_resolves_include_the_collective_group_port(tmp_path, transport):
+    # without it the learner's group store got a port no replica was told, and every
+    # replica on Ray fell back from the collective path at each sync
+    config = load_config(QUICKSTART, ["cluster.backend=ray", f"weights.transport={transport}"])
+    run = RayRun(FakeRay(lambda ray: None), config, tmp_path, None, StopSignals())
+    run.create_actors()
+    resolved = run.resolve_endpoints()
+    assert (resolved.cluster.buffer_port, resolved.cluster.weights_port) == (41000, 41001)
+    assert resolved.weights.group_port == (41002 if transport == "collective" else 0)
 
 
 def generator_fails_once(ray: FakeRay) -> None:
