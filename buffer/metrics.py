@@ -110,7 +110,8 @@ def store_metrics(store: BufferStore) -> dict[str, float]:
 def service_metrics(
     rejected: Counter[str], counters: Counter[str], held_now: int
 ) -> dict[str, float]:
-    """The service's own counters: rejected messages and held work requests."""
+    """The service's own counters: rejected messages, held work requests, generators back
+    after their groups were requeued for silence."""
     reasons = [*REJECTION_REASONS, *(r for r in rejected if r not in REJECTION_REASONS)]
     stats = {f"buffer_rejected_{r}": float(rejected[r]) for r in reasons}
     return stats | {
@@ -119,6 +120,7 @@ def service_metrics(
         "buffer_work_requests_held": float(counters["work_requests_held"]),
         "buffer_work_requests_held_granted": float(counters["work_requests_held_granted"]),
         "buffer_work_requests_held_now": float(held_now),
+        "buffer_generators_returned": float(counters["generators_returned"]),
     }
 
 

@@ -72,6 +72,7 @@ from asyncrl.buffer.held import HeldRequest, HeldRequests
 from asyncrl.buffer.learner_desk import LearnerDesk
 from asyncrl.buffer.metrics import busy_fraction, generators_summary, pools_summary, service_metrics
 from asyncrl.buffer.peers import Incarnations, RejectionLog, authorize
+from asyncrl.buffer.returns import Returns
 from asyncrl.buffer.skips import SkipFile
 from asyncrl.buffer.store import BufferStore
 from asyncrl.buffer.validation import (
@@ -187,6 +188,8 @@ class BufferService:
         self.generator_stats: dict[str, dict[str, float]] = {}
         """Each generator's latest counters (weight swaps, latency, reward errors)."""
         self.generator_pools: dict[str, str] = {}
+        self.returns = Returns()
+        """Generators expired for silence, until they are back and their samples accepted."""
         self.held = HeldRequests()
         """Work requests waiting for work, and the learner's request for eval results."""
         self.counters: Counter[str] = Counter()
@@ -277,8 +280,10 @@ class BufferService:
         self.log_rejection(reason, detail, time.monotonic())
 
     def _expire_silent_generators(self) -> None:
+        last_seen = dict(self.store.last_seen)
         for generator_id in self.store.expire_silent(time.monotonic()):
             self.incarnations.drop(generator_id)
+            self.returns.expired(generator_id, last_seen[generator_id])
             log.warning(
                 "generator %s silent for over %.1fs: its unfinished groups are requeued",
                 generator_id,
@@ -298,6 +303,7 @@ class BufferService:
         if body.max_samples < 0:
             raise WireError("bad_field", f"WorkRequest.max_samples {body.max_samples} < 0")
         self.incarnations.claim(body.generator_id, body.incarnation)
+        self._heard(body.generator_id, now)
         await self._answer_earlier(body.generator_id, now)  # one held per id: the newer counts
         items = self._dispatch(body.generator_id, body.max_samples, now)
         if items or not wait_s:
@@ -313,6 +319,7 @@ class BufferService:
             check_pool(body.pool, self.pools_known)
         if body.samples:
             self.incarnations.claim(sender, body.incarnation)
+            self._heard(sender, now)
         samples = check_trajectories(
             body,
             {name: a.numpy() for name, a in arrays.items()},
@@ -323,6 +330,8 @@ class BufferService:
         )
         samples = self._refuse_other_adapters(body, samples)
         accepted = self.store.ingest(samples, now)
+        if accepted:
+            self.returns.accepted(sender, now)
         if body.samples and body.stats:
             self.generator_stats[sender] = dict(body.stats)
             self.generator_pools[sender] = body.pool or "default"
@@ -361,8 +370,13 @@ class BufferService:
 
     async def _on_heartbeat(self, identity: bytes, body: Heartbeat, _, now: float) -> None:
         self.incarnations.claim(body.generator_id, body.incarnation)
+        self._heard(body.generator_id, now)
         self.store.heartbeat(body.generator_id, now)
         await self._reply(identity, Ack(accepted=0))
+
+    def _heard(self, generator_id: str, now: float) -> None:
+        if self.returns.heard(generator_id, now):
+            self.counters["generators_returned"] += 1
 
     async def _on_join(self, identity: bytes, body: Join, _, now: float) -> None:
         generator_id = body.generator_id
@@ -379,6 +393,7 @@ class BufferService:
                 requeued,
             )
         self.incarnations.register(generator_id, body.incarnation)
+        self.returns.forget(generator_id)  # a (new) process joining is not a return
         self.store.heartbeat(generator_id, now)
         self.generator_pools[generator_id] = body.pool
         log.info("generator %s (pool %s) joined", generator_id, body.pool)
@@ -398,6 +413,7 @@ class BufferService:
         await self._answer_earlier(generator_id, now)  # first: every request gets one reply
         requeued = self.store.leave(generator_id)
         self.incarnations.drop(generator_id)
+        self.returns.forget(generator_id)
         log.info("generator %s left; %d unfinished group(s) requeued", generator_id, requeued)
         await self._reply(identity, Ack(accepted=requeued))
 
