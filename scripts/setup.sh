@@ -25,6 +25,17 @@ if ! command -v bwrap >/dev/null 2>&1; then
   fi
 fi
 
+# iproute2 (ip, tc, ss): the tests' several hosts on one machine (asyncrl/testbed) are
+# network namespaces cabled by it; without it (or root) those tests skip, saying why.
+if [[ ",$extras," == *",dev,"* ]] && ! { command -v ip && command -v tc && command -v ss; } >/dev/null 2>&1; then
+  if [ "$EUID" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing iproute2 (the multi-host tests' test hosts)"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      iproute2 >/dev/null
+  fi
+fi
+
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 # shellcheck disable=SC1091
 . .venv/bin/activate

@@ -110,6 +110,8 @@ LAYERS = [
             "asyncrl.supervision",
             "asyncrl.local_run",
             "asyncrl.closing",
+            "asyncrl.testbed",  # several test hosts on one machine, for tests and benchmarks
+            "asyncrl.testbed.",
         ),
     ),
 ]

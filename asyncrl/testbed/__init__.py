@@ -1,0 +1,1 @@
+"""Several test hosts on one machine: network namespaces, links, faults."""
