@@ -7,7 +7,8 @@ runs its path's ``WeightSource.sync_into`` into a stand-in of the HF backend
 (a module with the policy's tensor names and shapes, loaded as the HF backend
 loads, in parts where the path streams) until it holds the new version. The
 shm reader thus follows the learner's write. Replicas are spawned
-processes on the same host; every clock is ``time.monotonic`` (one clock for
+processes on the same host (or, given a network namespace, on another test
+host: ``weights_over_link.py``); every clock is ``time.monotonic`` (one clock for
 all processes on Linux), so "publish to loaded" is the last replica's end
 minus the learner's publish start.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import multiprocessing as mp
+import os
 import secrets
 import shutil
 import statistics
@@ -30,10 +32,14 @@ import tempfile
 import time
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from asyncrl.weights.source import PathUnavailable
+
+if TYPE_CHECKING:
+    from asyncrl.config import ClusterConfig
 
 PATHS = ("zmq", "shm", "collective")
 GB = 1e9
@@ -41,6 +47,25 @@ POLL_S = 0.001
 """A replica asks again this often while its path has nothing newer yet."""
 WAITING_S = 0.05
 """How long replicas poll before the publish: they are waiting for it when it starts."""
+
+
+CLONE_NEWNET = 0x40000000
+
+
+def enter_netns(netns: str | None) -> None:
+    """Move this process's calling thread into network namespace ``netns`` (an ``ip netns``
+    name, e.g. a test host's of :mod:`asyncrl.testbed`) before it opens any socket or starts
+    threads that will; None: stay where it is."""
+    if netns is None:
+        return
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    descriptor = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+    try:
+        if libc.setns(descriptor, CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns into {netns}: {os.strerror(errno)}")
+    finally:
+        os.close(descriptor)
 
 
 def trim_memory() -> None:
@@ -129,12 +154,18 @@ def open_source(path: str, where, name: str, context):
     return CollectiveSource(GroupAddress(*address), key, name, bucket_bytes=bucket_bytes)
 
 
-def replica_main(conn, name: str) -> None:
-    """Answers the learner's commands: ``model``, ``open``, ``sync``, ``crc``, ``close``."""
+def replica_main(conn, name: str, netns: str | None = None) -> None:
+    """Answers the learner's commands: ``model``, ``open``, ``sync``, ``crc``, ``close``;
+    in network namespace ``netns`` when given (a replica on another test host).
+
+    ``open`` may carry the run's ``ClusterConfig`` after the path's address: the replica
+    then connects as a generator with the run's credentials (CURVE beyond loopback)."""
     import zmq
 
+    enter_netns(netns)
     torch.set_num_threads(1)
     context = zmq.Context()
+    secured: zmq.Context | None = None
     backend: ModuleBackend | None = None
     source = None
     conn.send("ready")
@@ -147,12 +178,20 @@ def replica_main(conn, name: str) -> None:
                 backend = ModuleBackend(module_of(args[0]))
                 reply = "ok"
             elif kind == "open":
-                source = open_source(args[0], args[1], name, context)
+                path, where, *cluster = args
+                if cluster and cluster[0] is not None:
+                    from asyncrl.security import GENERATOR, client_context
+
+                    secured = client_context(cluster[0], GENERATOR)
+                source = open_source(path, where, name, secured or context)
                 reply = "ok"
             elif kind == "close":
                 if source is not None:
                     source.close()
                 source = None
+                if secured is not None:
+                    secured.destroy(linger=0)
+                secured = None
                 trim_memory()
                 reply = "ok"
             elif kind == "sync":
@@ -166,6 +205,8 @@ def replica_main(conn, name: str) -> None:
         conn.send(reply)
     if source is not None:
         source.close()
+    if secured is not None:
+        secured.destroy(linger=0)
     context.destroy(linger=0)
 
 
@@ -198,15 +239,16 @@ def sync_until(source, backend: ModuleBackend, version: int, deadline_s: float) 
 
 
 class Replicas:
-    """``count`` replica processes, driven over pipes."""
+    """``count`` replica processes, driven over pipes; in network namespace ``netns`` when
+    given (:func:`enter_netns`)."""
 
-    def __init__(self, count: int):
+    def __init__(self, count: int, netns: str | None = None):
         spawn = mp.get_context("spawn")
         self.conns, self.processes = [], []
         for index in range(count):
             ours, theirs = spawn.Pipe()
             process = spawn.Process(
-                target=replica_main, args=(theirs, f"replica-{index}"), daemon=True
+                target=replica_main, args=(theirs, f"replica-{index}", netns), daemon=True
             )
             process.start()
             self.conns.append(ours)
@@ -244,9 +286,19 @@ class Replicas:
 
 
 class Sink:
-    """One path's learner side: ``publish``, what replicas need to reach it, ``close``."""
+    """One path's learner side: ``publish``, what replicas need to reach it, ``close``.
 
-    def __init__(self, path: str, bucket_bytes: int, chunk_bytes: int):
+    Listens on ``host``; ``cluster``: the run's, whose credentials the ZeroMQ publisher
+    admits (None: any peer, as on a trusted machine)."""
+
+    def __init__(
+        self,
+        path: str,
+        bucket_bytes: int,
+        chunk_bytes: int,
+        host: str = "127.0.0.1",
+        cluster: ClusterConfig | None = None,
+    ):
         from asyncrl.transport import free_port, tcp
         from asyncrl.weights import WeightPublisher
         from asyncrl.weights.shm_publisher import ShmPublisher
@@ -254,7 +306,9 @@ class Sink:
 
         self.path = path
         self.run_dir = Path(tempfile.mkdtemp(prefix="asyncrl-bench-"))  # 0700
-        self.zmq = WeightPublisher(tcp("127.0.0.1", free_port()), chunk_bytes=chunk_bytes)
+        self.zmq = WeightPublisher(
+            tcp(host, free_port(host)), chunk_bytes=chunk_bytes, cluster=cluster
+        )
         self.sink = self.zmq
         self.where: object = self.zmq.endpoint
         if path in ("shm", "collective"):
@@ -269,7 +323,7 @@ class Sink:
             )
             sender = CollectiveSender(
                 self.zmq.snapshots,
-                "127.0.0.1",
+                host,
                 0,
                 learner_key,
                 bucket_bytes=bucket_bytes,
@@ -305,15 +359,19 @@ def measure_path(
     version: int,
     bucket_bytes: int,
     chunk_bytes: int,
+    host: str = "127.0.0.1",
+    cluster: ClusterConfig | None = None,
 ) -> tuple[dict, int]:
-    """Publish-to-loaded and stalls of ``path`` for each replica count in ``counts``."""
+    """Publish-to-loaded and stalls of ``path`` for each replica count in ``counts``; the
+    learner's side listens on ``host``, with ``cluster``'s credentials when given."""
     nbytes = sum(t.numel() * t.element_size() for t in params.values())
     expect = stream_crc(params.values())
-    sink = Sink(path, bucket_bytes, chunk_bytes)
+    sink = Sink(path, bucket_bytes, chunk_bytes, host, cluster)
     result: dict = {"stalls_cold_s": []}
     most = max(counts)
     try:
-        replicas.ask(most, ("open", path, sink.where))
+        secured = () if cluster is None else (cluster,)
+        replicas.ask(most, ("open", path, sink.where, *secured))
         for count in counts:
             runs = []
             for index in range(warmups + repeats):
