@@ -142,6 +142,13 @@ class GeneratorReplica:
         )
         self.active: list[Rollout] = []
         self.stopping = False
+        self.unanswered = 0
+        """Trajectories messages sent whose Ack is not read yet: read before the reply to
+        the next request (the buffer answers a peer's messages in order), so handing in
+        samples costs no round trip of its own."""
+        self.weights_checked = False
+        """Newer weights were looked for in this turn of the loop (while the buffer was
+        answering a work request)."""
         self.stats = {"samples_sent": 0, "weight_swaps": 0, "weight_swap_latency_s": 0.0}
         self.stats["weight_load_s"] = 0.0
         self.stats["reward_errors"] = 0
@@ -189,6 +196,7 @@ class GeneratorReplica:
         retry_after = 0.0
         self.started_at = time.monotonic()
         while not self.stopping:
+            self.weights_checked = False
             retry_after = self.top_up()
             if retry_after is None:  # stopping; only Leave may follow the request left open
                 break
@@ -203,7 +211,8 @@ class GeneratorReplica:
                 progress.beat("waiting for work", detail=self._progress_detail)  # a turn
                 continue
             busy_from = time.monotonic()
-            self.sync_weights()
+            if not self.weights_checked:
+                self.sync_weights()
             chunk_from = time.monotonic()
             self.backend.generate_chunk(self.active, self.config.generators.chunk_tokens)
             chunk_s = time.monotonic() - chunk_from
@@ -251,8 +260,12 @@ class GeneratorReplica:
             reply, _ = self.buffer.request(
                 Leave(self.generator_id, self.incarnation), timeout_s=LEAVE_TIMEOUT_S
             )
-            while isinstance(reply, WorkGrant):  # a held work request, answered before Leave
+            # answers to what was sent before Leave: a held work request's, samples' Acks
+            owed = self.unanswered
+            while isinstance(reply, WorkGrant) or (owed and isinstance(reply, Ack)):
+                owed -= isinstance(reply, Ack)
                 reply, _ = self.buffer.receive(LEAVE_TIMEOUT_S)
+            self.unanswered = 0
         except (TimeoutError, zmq.ZMQError) as error:  # the buffer is gone: nothing to tell
             log.info("could not say goodbye to the buffer: %s", error)
             return
@@ -313,9 +326,17 @@ class GeneratorReplica:
         """
         if not self.idle():
             self.buffer.send(WorkRequest(self.generator_id, room, incarnation=self.incarnation))
+            # the weight check's round trip overlaps the buffer's: across a link with latency,
+            # one round trip per turn of the loop instead of three
+            if not self.stopping:
+                busy_from = time.monotonic()
+                self.sync_weights()
+                self.stats["busy_s"] += time.monotonic() - busy_from
+                self.weights_checked = True
             grant, _ = self.reply()
             assert isinstance(grant, WorkGrant), grant
             return grant
+        self.read_acks()  # nothing else may answer the held request
         wait_s = self.config.buffer.heartbeat_interval_s
         self.buffer.send(WorkRequest(self.generator_id, room, wait_s, self.incarnation))
         reply = BufferReply(self.buffer)
@@ -338,9 +359,21 @@ class GeneratorReplica:
         return self.stopping
 
     def reply(self) -> tuple:
-        """The buffer's answer to the request just sent. Once stopping, the replica waits for
-        it at most ``LEAVE_TIMEOUT_S`` more: a dead buffer (its launcher killed) must not
-        hold the replica and its reward workers for the client's whole ``timeout_s``."""
+        """The buffer's answer to the request just sent, after the Acks of the samples sent
+        before it. Once stopping, the replica waits for each at most ``LEAVE_TIMEOUT_S``
+        more: a dead buffer (its launcher killed) must not hold the replica and its reward
+        workers for the client's whole ``timeout_s``."""
+        self.read_acks()
+        return self._next_reply()
+
+    def read_acks(self) -> None:
+        """Read the Acks of the Trajectories messages sent without waiting for them."""
+        while self.unanswered:
+            ack, _ = self._next_reply()
+            assert isinstance(ack, Ack), ack
+            self.unanswered -= 1
+
+    def _next_reply(self) -> tuple:
         reply = BufferReply(self.buffer)
         patience_s = LEAVE_TIMEOUT_S if self.stopping else self.buffer.timeout_s
         waited = wait_with_stop(
@@ -426,8 +459,7 @@ class GeneratorReplica:
             digests = self.adapter_digests(rollouts[part]) or msgspec.UNSET
             message = Trajectories(metas, stats, self.pool, self.incarnation, digests)
             self.buffer.send(message, arrays)
-            ack, _ = self.reply()
-            assert isinstance(ack, Ack), ack
+            self.unanswered += 1  # its Ack is read before the next request's reply
             self.stats["samples_sent"] += len(metas)
 
     def package(

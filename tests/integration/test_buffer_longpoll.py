@@ -347,10 +347,13 @@ def test_a_busy_replica_does_not_ask_the_buffer_to_hold_its_request(peers):
         close_admission(taker)
         replica = replica_for(buffer, peers)
         replica.active.append(object())  # a rollout in progress
+        looked: list[bool] = []
+        replica.sync_weights = lambda: looked.append(True)  # no weight server in this test
         try:
             assert not replica.idle()
             grant = replica.ask_for_work(BATCH)
         finally:
             replica.scorer.close()
         assert grant is not None and grant.items == [] and grant.retry_after_s > 0
+        assert looked == [True]  # while the buffer answered
         assert buffer.service.counters["work_requests_held"] == 0

@@ -41,7 +41,7 @@ class ScriptedBuffer:
         self.granted = False
         self.replica: GeneratorReplica | None = None
         self.samples: list[TrajectoryMeta] = []
-        self.reply = None
+        self.replies: list[object] = []
 
     def answer(self, body):
         match body:
@@ -63,13 +63,12 @@ class ScriptedBuffer:
         return self.answer(body), {}
 
     def send(self, body, arrays=None):
-        self.reply = self.answer(body)
+        self.replies.append(self.answer(body))  # answered in order, as the buffer does
 
     def receive(self, timeout_s=None):
-        reply, self.reply = self.reply, None
-        if reply is None:
+        if not self.replies:
             raise TimeoutError("nothing sent")
-        return reply, {}
+        return self.replies.pop(0), {}
 
 
 class NoNewWeights:

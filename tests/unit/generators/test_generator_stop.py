@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import zmq
 from test_episodes import ScriptedBackend
+from test_eval_replica import NoNewWeights
 
 from asyncrl.config import load_config
 from asyncrl.generators.worker import LEAVE_TIMEOUT_S, STOP_POLL_S, GeneratorReplica
@@ -41,6 +42,7 @@ def replica():
         "tcp://127.0.0.1:9",
     )  # fmt: skip
     replica.weights.socket.close(linger=0)
+    replica.weights = NoNewWeights()  # looked for while the buffer answers a busy request
     yield replica
     replica.scorer.close()
     context.term()
