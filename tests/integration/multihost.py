@@ -51,12 +51,16 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def cluster(shaped: Sequence[str] = (), system_env: dict[str, str] | None = None) -> Iterator[
-    Cluster
-]:
-    """Three hosts with Ray on them; everything ended and deleted however the block ends."""
-    with TestBed(tuple(LAYOUT), shaped=shaped) as bed:
-        nodes = RayNodes(bed, LAYOUT, system_env=system_env)
+def cluster(
+    shaped: Sequence[str] = (),
+    system_env: dict[str, str] | None = None,
+    layout: dict[str, NodeSpec] | None = None,
+) -> Iterator[Cluster]:
+    """Hosts with Ray on them (by default :data:`LAYOUT`: three); everything ended and
+    deleted however the block ends."""
+    layout = layout or LAYOUT
+    with TestBed(tuple(layout), shaped=shaped) as bed:
+        nodes = RayNodes(bed, layout, system_env=system_env)
         try:
             nodes.start()
             yield Cluster(bed, nodes)

@@ -158,8 +158,8 @@ def test_latency_loss_and_a_cut_host_are_survived_and_every_prompt_is_accounted_
 
     assert stopped == 128 + signal.SIGTERM, run.output()[-3000:]
     assert "asyncrl: stopped" in run.output()
-    assert steps_during_cut >= 3, steps_during_cut  # b alone kept the learner fed
-    assert silent - cut < HEARTBEAT_TIMEOUT_S + 5, (cut, silent)
+    assert steps_during_cut >= 2, steps_during_cut  # b alone kept the learner fed
+    assert cut < silent < restored  # handed out again during the cut, not at its end
     # c's transfer cut short missed its deadline and was said; c never served a part of
     # it: it either kept a whole version or exited and was started again
     generator_c = run.log("generator-" + on_c.removeprefix("gen-"))
