@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 
 from asyncrl.buffer.counters import REPORTED, Count
 from asyncrl.buffer.groups import SKIP_REASONS
+from asyncrl.buffer.validation import replica_stat_reduce
 from asyncrl.messages import EpisodeCounts, TrajectoryMeta
+from asyncrl.reductions import Reduce, Reduction, Stat
 
 if TYPE_CHECKING:
     from asyncrl.buffer.store import BufferStore
@@ -125,14 +127,21 @@ def service_metrics(
 
 
 def generators_summary(per_generator: dict[str, dict[str, float]]) -> dict[str, float]:
-    """``generators_<key>``: the mean over generators of each latest counter (latencies),
-    and ``generators_<key>_total`` the sum (counts such as swaps and reward errors)."""
+    """Each replica counter over the generators, as it declares
+    (:data:`~asyncrl.buffer.validation.REPLICA_STATS`): ``generators_<key>`` the mean of a
+    count (and ``generators_<key>_total`` its sum), the mean of a latency, the largest of
+    a peak (``chunk_s_max``: the longest engine call of any replica)."""
     summary: dict[str, float] = {}
     keys = sorted({key for stats in per_generator.values() for key in stats})
     for key in keys:
         values = [stats[key] for stats in per_generator.values() if key in stats]
+        kind = replica_stat_reduce(key)
+        if kind is Reduce.MAX:
+            summary[f"generators_{key}"] = max(values)
+            continue
         summary[f"generators_{key}"] = sum(values) / len(values)
-        summary[f"generators_{key}_total"] = float(sum(values))
+        if kind is Reduce.SUM:
+            summary[f"generators_{key}_total"] = float(sum(values))
     return summary
 
 
@@ -154,15 +163,21 @@ def busy_fraction(
 def pools_summary(
     per_generator: dict[str, dict[str, float]], pools: dict[str, str]
 ) -> dict[str, float]:
-    """``pool_<name>_<key>_total``: each counter summed over the pool's generators, and
+    """Each counter over a pool's generators, as it declares: ``pool_<name>_<key>_total``
+    a count's sum, ``pool_<name>_<key>`` a latency's mean or a peak's largest; and
     ``pool_<name>_replicas``: how many of them have reported (restarted ones included)."""
     summary: dict[str, float] = {}
+    reductions: dict[str, Reduction] = {}
     for generator, stats in per_generator.items():
         pool = pools.get(generator, "default")
         summary[f"pool_{pool}_replicas"] = summary.get(f"pool_{pool}_replicas", 0.0) + 1
+        reduction = reductions.setdefault(pool, Reduction())
         for key, value in stats.items():
-            name = f"pool_{pool}_{key}_total"
-            summary[name] = summary.get(name, 0.0) + value
+            reduction.add(key, Stat(value, 1.0, replica_stat_reduce(key)))
+    for pool, reduction in reductions.items():
+        for key, value in reduction.results().items():
+            total = reduction.kinds[key] is Reduce.SUM
+            summary[f"pool_{pool}_{key}{'_total' if total else ''}"] = value
     return summary
 
 

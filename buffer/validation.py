@@ -66,6 +66,7 @@ import msgspec
 import numpy as np
 
 from asyncrl.messages import EpisodeCounts, Trajectories, TrajectoryMeta, WireError, WorkItem
+from asyncrl.reductions import Reduce
 from asyncrl.trajectory import (
     ENV_VERSION,
     ColumnLengthError,
@@ -91,25 +92,31 @@ MAX_STATS = 64
 """Entries in one message's ``stats``: a replica reports about 11, plus ``env_*`` ones."""
 MAX_STAT_VALUE = 1e15
 """The largest magnitude of one reported counter (samples, seconds, swaps)."""
-REPLICA_STATS = frozenset(
-    {
-        "samples_sent",
-        "weight_swaps",
-        "weight_swap_latency_s",
-        "weight_load_s",
-        "reward_errors",
-        "eval_samples_sent",
-        "busy_s",
-        "wall_s",
-        "chunks",
-        "chunk_s_max",
-        "restarts",
-        *WEIGHT_SYNC_STATS,  # the weight-sync chain's (generators/weight_sync.py)
-    }
-)
-"""The counters a replica sends with its samples (``GeneratorReplica.stats``); its
-multi-turn episodes add ``env_<counter>``."""
+REPLICA_STATS: dict[str, Reduce] = {
+    "samples_sent": Reduce.SUM,
+    "weight_swaps": Reduce.SUM,
+    "weight_swap_latency_s": Reduce.MEAN,  # the latest swap's, per replica
+    "weight_load_s": Reduce.MEAN,  # likewise
+    "reward_errors": Reduce.SUM,
+    "eval_samples_sent": Reduce.SUM,
+    "busy_s": Reduce.SUM,
+    "wall_s": Reduce.SUM,
+    "chunks": Reduce.SUM,
+    "chunk_s_max": Reduce.MAX,  # the replica's longest engine call
+    "restarts": Reduce.SUM,
+    **dict.fromkeys(WEIGHT_SYNC_STATS, Reduce.SUM),  # the weight-sync chain's counters
+}
+"""The counters a replica sends with its samples (``GeneratorReplica.stats``), each with
+how values of several replicas combine; its multi-turn episodes add ``env_<counter>``
+(sums)."""
 ENV_STAT = re.compile(r"env_[a-z0-9_]{1,48}")
+
+
+def replica_stat_reduce(key: str) -> Reduce:
+    """How a replica counter's values from several replicas combine (``env_*``: sums)."""
+    return REPLICA_STATS.get(key, Reduce.SUM)
+
+
 RESTARTED_ID = re.compile(r".*-r[1-9][0-9]*")
 """The id the launcher gives a restarted replica (``gen-0-r2``): only it reports
 ``restarts = 1``."""

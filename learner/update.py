@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import defaultdict
 from dataclasses import replace
 
 import torch
@@ -49,15 +48,15 @@ from asyncrl.learner.algorithms import (
     token_level_rewards,
     value_loss,
 )
+from asyncrl.learner.algorithms.corrections import PEAK_STATS
 from asyncrl.learner.algorithms.off_policy import SEQUENCE_MEAN_KEYS
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.batch_correction import BatchCorrection, correct_batch
 from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.packing import Layout, token_outputs
 from asyncrl.learner.reference import Reference
+from asyncrl.reductions import Reduction, Stat
 
-MAX_KEYS = ("importance_weight_max",)
-"""Statistics reduced by max over micro-batches and ranks; the rest are token-weighted means."""
 SKIP_WARNING_EVERY_S = 60.0
 """At most one warning per this many seconds about skipped non-finite updates."""
 
@@ -174,9 +173,8 @@ class Update:
             **ADVANTAGES[algorithm.advantage].knobs_of(algorithm),
         )
 
-        sums: defaultdict[str, float] = defaultdict(float)
+        reduction = Reduction()
         self.positions = 0
-        maxima: dict[str, float] = {}
         for number, (plan, update) in enumerate(zip(plans, mine, strict=True)):
             everyone = torch.tensor([i for rank in plan for rows in rank for i in rows])
             normalizers = {
@@ -193,18 +191,12 @@ class Update:
                     batch, part, advantages, returns, pre, normalizers, version, correction
                 )
                 loss += part_loss
-                for key, (value, weight) in stats.items():
-                    if key in MAX_KEYS:
-                        maxima[key] = max(maxima.get(key, float("-inf")), value)
-                    else:
-                        sums[key] += value * weight
-                        sums[f"{key}/weight"] += weight
+                reduction.update(stats)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), learner.grad_clip)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
             norm = grad_norm.item()  # the global norm: the same on every rank
-            sums["learner_grad_norm"] += norm
-            sums["learner_grad_norm/weight"] += 1.0
+            reduction.add("learner_grad_norm", Stat.mean(norm, 1.0))
             loss = self._summed_over_ranks(loss)
             if math.isfinite(loss) and math.isfinite(norm):
                 self.optimizer.step()
@@ -212,7 +204,7 @@ class Update:
                 self.optimizer.zero_grad(set_to_none=True)
                 self._skip_nonfinite(version, number, len(plans), loss, norm)
         return (
-            self._reduce(sums, maxima)
+            self._reduce(reduction)
             | {
                 "advantage_abs_mean": advantages[batch.loss_mask.bool()].abs().mean().item()
                 if batch.loss_mask.any()
@@ -321,9 +313,10 @@ class Update:
         normalizers: dict[str, float],
         version: int,
         correction: BatchCorrection,
-    ) -> tuple[dict[str, tuple[float, float]], float]:
-        """Forward and backward one micro-batch; returns ``{stat: (value, weight)}`` and
-        the value of the objective that was back-propagated."""
+    ) -> tuple[dict[str, Stat], float]:
+        """Forward and backward one micro-batch; returns its statistics, each with how it
+        combines with the other micro-batches' and ranks', and the value of the objective
+        that was back-propagated."""
         algorithm, device = self.algorithm, self.ranks.device
         mask = part.tokens(batch.loss_mask, device) * part.weight
         behavior = part.tokens(batch.behavior_logprobs, device)
@@ -399,48 +392,44 @@ class Update:
             current = (part.tokens(batch.token_versions, device) == version) & mask.bool()
             # Losses are normalised by global counts already: they add up as they are.
             result = {
-                key: (float(value), 1.0 if key.startswith("loss_") else weight)
+                key: Stat.total(float(value))
+                if key.startswith("loss_")
+                else Stat.peak(float(value))
+                if key in PEAK_STATS
+                else Stat.mean(float(value), weight)
                 for key, value in out.items()
             }
-            result["learner_entropy"] = (
-                float((entropy * mask).sum() / max(tokens, 1.0)),
-                weight,
+            result["learner_entropy"] = Stat.mean(
+                float((entropy * mask).sum() / max(tokens, 1.0)), weight
             )
             sequences = float(mask.bool().any(-1).sum().item())
             for key, value in off_policy.items():
-                result[key] = (float(value), sequences if key in SEQUENCE_MEAN_KEYS else weight)
+                per = sequences if key in SEQUENCE_MEAN_KEYS else weight
+                result[key] = Stat.mean(float(value), per)
             # Tokens sampled with the weights being trained: generator and learner
             # should agree on them up to numerics (null in metrics.jsonl if there are none).
             mismatch = (proximal - behavior).abs()[current]
-            result["logprob_mismatch"] = (
-                mismatch.mean().item() if mismatch.numel() else 0.0,
-                float(mismatch.numel()),
+            result["logprob_mismatch"] = Stat.mean(
+                mismatch.mean().item() if mismatch.numel() else 0.0, float(mismatch.numel())
             )
         return result, total_value
 
-    def _reduce(self, sums: dict[str, float], maxima: dict[str, float]) -> dict[str, float]:
-        """Means (and maxima) over micro-batches and ranks.
+    def _reduce(self, reduction: Reduction) -> dict[str, float]:
+        """The step's statistics over micro-batches and ranks, each as it declared.
 
         Every rank reports the same keys (the config decides them), so plain
         tensor reductions suffice. Losses are normalised by global counts, so
-        their sum over micro-batches and ranks is the mini-batch loss; the rest
-        are weighted means.
+        their sum over micro-batches and ranks is the mini-batches' loss, shown
+        per mini-batch.
         """
-        keys = sorted(k for k in sums if not k.endswith("/weight"))
-        table = torch.tensor(
-            [[sums[k], sums[f"{k}/weight"]] for k in keys], dtype=torch.float64
-        ).to(self.ranks.device)
-        max_keys = sorted(maxima)
-        peaks = torch.tensor([maxima[k] for k in max_keys], dtype=torch.float64).to(
-            self.ranks.device
-        )
+        _, summed, _, peaks = reduction.tables()
+        table = torch.tensor(summed, dtype=torch.float64).to(self.ranks.device)
+        maxima = torch.tensor(peaks, dtype=torch.float64).to(self.ranks.device)
         if self.ranks.world_size > 1:
             dist.all_reduce(table)
-            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-        out = {}
-        for key, (total, weight) in zip(keys, table.tolist(), strict=True):
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        out = reduction.from_tables(table.tolist(), maxima.tolist())
+        for key in out:
             if key.startswith("loss_"):
-                out[key] = total / self.config.learner.minibatches
-            else:
-                out[key] = total / weight if weight else float("nan")
-        return out | dict(zip(max_keys, peaks.tolist(), strict=True))
+                out[key] /= self.config.learner.minibatches
+        return out

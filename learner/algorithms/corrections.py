@@ -19,6 +19,10 @@ geometric mean (length-normalised, so long sequences do not explode)."""
 BATCH_SCALE_EPS = 1e-8
 """Below this batch mean the weights are left unscaled (as verl): all weights masked."""
 
+PEAK_STATS = ("importance_weight_max",)
+"""Statistics of :func:`correction_weights` that are peaks: combined by max (the rest are
+token means), wherever micro-batches or ranks are combined."""
+
 
 @register_correction("none", uses_cap=False)
 def no_correction(rho: Tensor, cap: float, floor: float) -> Tensor:

@@ -370,6 +370,26 @@ def test_generator_counters_are_averaged_and_summed_over_generators():
     assert summary["generators_weight_swaps_total"] == 8.0
 
 
+def test_a_peak_is_the_largest_over_generators_and_a_latency_has_no_total():
+    # the longest chunk of any replica, not the mean of each one's longest
+    from asyncrl.buffer.metrics import generators_summary, pools_summary
+
+    per_generator = {
+        "gen-0": {"chunk_s_max": 9.0, "weight_swap_latency_s": 0.2, "chunks": 4.0},
+        "gen-1": {"chunk_s_max": 1.0, "weight_swap_latency_s": 0.4, "chunks": 6.0},
+    }
+    summary = generators_summary(per_generator)
+    assert summary["generators_chunk_s_max"] == 9.0
+    assert "generators_chunk_s_max_total" not in summary
+    assert summary["generators_weight_swap_latency_s"] == pytest.approx(0.3)
+    assert "generators_weight_swap_latency_s_total" not in summary
+    assert summary["generators_chunks_total"] == 10.0
+    pools = pools_summary(per_generator, {"gen-0": "main", "gen-1": "main"})
+    assert pools["pool_main_chunk_s_max"] == 9.0
+    assert pools["pool_main_weight_swap_latency_s"] == pytest.approx(0.3)
+    assert pools["pool_main_chunks_total"] == 10.0 and pools["pool_main_replicas"] == 2.0
+
+
 def test_generator_counters_are_summed_per_pool():
     from asyncrl.buffer.metrics import pools_summary
 

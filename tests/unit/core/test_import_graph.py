@@ -69,6 +69,7 @@ LAYERS = [
             "asyncrl.tracking",
             "asyncrl.stop_signals",  # every process that stops on a signal, roles included
             "asyncrl.waiting",
+            "asyncrl.reductions",  # how a statistic combines, declared with it
         ),
     ),
     Layer(
