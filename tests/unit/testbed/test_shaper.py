@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from asyncrl.testbed.hosts import unavailable_reason
 from asyncrl.testbed.shaper import ShapedLink
 
 A_ADDRESS, B_ADDRESS = "10.99.0.1", "10.99.0.2"
@@ -126,27 +126,10 @@ def _start_in(netns: str, code: str) -> subprocess.Popen[str]:
     return process
 
 
-def _why_not_here() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return "needs Linux network namespaces"
-    if os.geteuid() != 0:
-        return "needs root: network namespaces and TAP devices"
-    if shutil.which("ip") is None:
-        return "needs iproute2's `ip`"
-    if not os.path.exists("/dev/net/tun"):
-        return "needs /dev/net/tun for TAP devices"
-    probe = f"shpprobe{os.getpid()}{secrets.token_hex(3)}"
-    done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if done.returncode != 0:
-        return f"`ip netns add` fails here: {done.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
 @pytest.fixture(scope="module")
 def net() -> Iterator[Net]:
     """A (shaped link) and B (veth) on bridge br0 in the switch namespace SW."""
-    reason = _why_not_here()
+    reason = unavailable_reason(shaped=True)
     if reason is not None:
         pytest.skip(reason)
     tag = f"{os.getpid()}{secrets.token_hex(3)}"
