@@ -22,6 +22,7 @@ Needs root, ``ip`` (iproute2) and ``tc``.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -291,6 +292,25 @@ class TestBed:
             if rate is not None:
                 _tc(netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
                     "burst", str(burst), "latency", "50ms")
+
+    def bytes_toward(self, name: str) -> int:
+        """Bytes the switch has sent down host ``name``'s cable so far (its port's counter)."""
+        shown = _ip("-j", "-s", "-n", self.switch, "link", "show", self.hosts[name].port).stdout
+        return int(json.loads(shown)[0]["stats64"]["tx"]["bytes"])
+
+    def wait_for_transfer(
+        self, name: str, rate_bits: float, window_s: float = 0.3, timeout_s: float = 60.0
+    ) -> None:
+        """Return once host ``name`` is receiving at least half of ``rate_bits`` over
+        ``window_s`` (a bulk transfer is under way on its cable); RuntimeError after
+        ``timeout_s`` without one."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            before = self.bytes_toward(name)
+            time.sleep(window_s)
+            if (self.bytes_toward(name) - before) * 8 >= 0.5 * rate_bits * window_s:
+                return
+        raise RuntimeError(f"no transfer toward host {name} in {timeout_s:.0f}s")
 
     def cut(self, name: str) -> None:
         """Pull host ``name``'s cable: its switch port goes down (the host keeps its address)."""

@@ -34,6 +34,7 @@ A, B, C = "10.77.0.1", "10.77.0.2", "10.77.0.3"
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 CUT_S = 30.0
 HEARTBEAT_TIMEOUT_S = 10.0
+C_RATE_BITS = 10e6
 
 STRANGER = """
 import sys, zmq
@@ -125,7 +126,7 @@ def test_latency_loss_and_a_cut_host_are_survived_and_every_prompt_is_accounted_
     ray_env = {"RAY_health_check_failure_threshold": "40"}
     with cluster(shaped=("b",), system_env=ray_env) as hosts:
         bed = hosts.bed
-        bed.limit("c", "10mbit")  # c's weight transfers take seconds: the cut lands in one
+        bed.limit("c", "10mbit")  # c's weight transfers take seconds
         run = hosts.launch(
             tmp_path / "run",
             "run.total_steps=5000", "learner.checkpoint_every=10",
@@ -137,6 +138,7 @@ def test_latency_loss_and_a_cut_host_are_survived_and_every_prompt_is_accounted_
         bed.shape("b", 50, 0.01)
         run.wait_for_step(15)
         on_c = run.generator_on(C)
+        bed.wait_for_transfer("c", C_RATE_BITS)  # the cut lands in a weight transfer
         cut_at_step = run.steps()
         cut = time.time()
         bed.cut("c")

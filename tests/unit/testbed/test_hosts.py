@@ -14,6 +14,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -294,6 +295,20 @@ def test_a_limited_cable_is_slow_and_lifting_the_limit_makes_it_fast(plain: Bed)
     unlimited = _send(bed, "b", "a")
     assert limited >= 1.5, limited  # 16.8 Mbit at 8 Mbit/s: 2.1 s, less the 64 KiB burst
     assert unlimited < limited / 2, (limited, unlimited)
+
+
+def test_a_transfer_toward_a_host_is_seen_on_its_cable_and_only_there(plain: Bed) -> None:
+    # how a test cuts a cable in the middle of a transfer, not between two
+    plain.limit("a", "8mbit")
+    sender = threading.Thread(target=_send, args=(plain, "b", "a"))
+    sender.start()
+    try:
+        plain.wait_for_transfer("a", 8e6, timeout_s=10)
+        with pytest.raises(RuntimeError, match="no transfer toward host c"):
+            plain.wait_for_transfer("c", 8e6, timeout_s=0.5)
+    finally:
+        sender.join(timeout=30)
+    assert plain.bytes_toward("a") > 2 * 10**6 > plain.bytes_toward("c")
 
 
 def test_a_bad_rate_is_refused_and_leaves_the_limit_as_it_was(plain: Bed) -> None:
