@@ -53,15 +53,7 @@ class ClusterConfig(Section):
     @property
     def binds_loopback(self) -> bool:
         """True when only this machine can reach the endpoints; a host name counts as not."""
-        import ipaddress
-
-        address = self.bind_address.strip("[]")
-        if address == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(address).is_loopback
-        except ValueError:  # a host name or `*`: it may be reachable from anywhere
-            return False
+        return _is_loopback(self.bind_address)
 
     @property
     def joins_cluster(self) -> bool:
@@ -70,15 +62,8 @@ class ClusterConfig(Section):
         buffer is placed, so its credentials must be CURVE's from the start."""
         if self.backend != "ray" or not self.address:
             return False
-        import ipaddress
-
-        host = self.address.rsplit(":", 1)[0].strip("[]") if ":" in self.address else self.address
-        if host == "localhost":
-            return False
-        try:
-            return not ipaddress.ip_address(host).is_loopback
-        except ValueError:  # `auto` or a host name: the cluster may span machines
-            return True
+        host = self.address.rsplit(":", 1)[0] if ":" in self.address else self.address
+        return not _is_loopback(host)  # `auto` or a host name: the cluster may span machines
 
     @property
     def uses_curve(self) -> bool:
@@ -110,3 +95,16 @@ class ClusterConfig(Section):
                 "and run `asyncrl keys RUN_DIR`, or bind to 127.0.0.1"
             )
         return self
+
+
+def _is_loopback(address: str) -> bool:
+    """``localhost`` or a loopback address; a host name or ``*`` counts as reachable."""
+    import ipaddress
+
+    address = address.strip("[]")
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False

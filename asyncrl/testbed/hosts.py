@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import psutil
+
 if TYPE_CHECKING:
     from asyncrl.testbed.shaper import ShapedLink
 
@@ -118,26 +120,16 @@ def sweep_stale_beds() -> list[str]:
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
         match = re.fullmatch(rf"{PREFIX}-(\d+)-.*", name)
-        if match is None or _alive(int(match.group(1))):
+        if match is None or psutil.pid_exists(int(match.group(1))):
             continue
         end_processes(name, grace_s=1.0)
         _ip("netns", "del", name, check=False)
         swept.append(name)
     for folder in SHM_ROOT.glob(f"{PREFIX}-*"):
         match = re.fullmatch(rf"{PREFIX}-(\d+)-.*", folder.name)
-        if match is not None and not _alive(int(match.group(1))):
+        if match is not None and not psutil.pid_exists(int(match.group(1))):
             shutil.rmtree(folder, ignore_errors=True)
     return swept
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass

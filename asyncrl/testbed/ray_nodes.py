@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncrl.testbed.hosts import TestBed
+from asyncrl.testbed.hosts import TestBed, end_processes
 
 GCS_PORT = 6379
 OBJECT_STORE_BYTES = 96 * 1024**2
@@ -129,8 +129,6 @@ class RayNodes:
 
     def stop(self) -> None:
         """End every node's processes (by the pids of their hosts' namespaces)."""
-        from asyncrl.testbed.hosts import end_processes
-
         for name in self.nodes:
             end_processes(self.bed[name].netns)
-        subprocess.run(["rm", "-rf", str(self.folder)], check=False)
+        shutil.rmtree(self.folder, ignore_errors=True)

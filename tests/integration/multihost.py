@@ -11,7 +11,6 @@ docs/ray.md asks of a real cluster.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import subprocess
 import time
@@ -19,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from asyncrl.status import read_metrics
 from asyncrl.testbed.hosts import TestBed
 from asyncrl.testbed.ray_nodes import NodeSpec, RayNodes
 
@@ -75,16 +75,7 @@ class Launch:
     out: Path
 
     def records(self) -> list[dict]:
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return []
-        records = []
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                record = json.loads(line)
-                if "step" in record:
-                    records.append(record)
-        return records
+        return read_metrics(self.run_dir)
 
     def steps(self) -> int:
         return len(self.records())
