@@ -10,11 +10,11 @@ import torch
 from learner_testing import TINY_LEARNER
 
 from asyncrl.config import Config, load_config
+from asyncrl.core.messages import Trajectories, TrajectoryMeta, decode, encode
+from asyncrl.core.paths import LEARNER_STORE_ENV
+from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.learner import distributed
 from asyncrl.learner.batch import TrainBatch, collate
-from asyncrl.messages import Trajectories, TrajectoryMeta, decode, encode
-from asyncrl.paths import LEARNER_STORE_ENV
-from asyncrl.tasks import build_tokenizer
 
 GROUP = 4
 PROMPT_LEN = 3

@@ -15,8 +15,8 @@ import pytest
 from run_processes import processes_of
 from test_supervision import COMMON, Launch, assert_each_group_trained_once, start, trained_groups
 
-from asyncrl.paths import checkpoint_dir, latest_checkpoint
-from asyncrl.status import read_metrics
+from asyncrl.core.paths import checkpoint_dir, latest_checkpoint
+from asyncrl.run.status import read_metrics
 
 pytestmark = pytest.mark.slow
 

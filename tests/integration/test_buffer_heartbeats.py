@@ -9,7 +9,7 @@ import pytest
 from buffer_wire import buffer_config, exchange, send_samples
 from running_buffer import running_buffer
 
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     Ack,
     BatchRequest,
     Heartbeat,
@@ -22,7 +22,7 @@ from asyncrl.messages import (
     WorkGrant,
     WorkRequest,
 )
-from asyncrl.security import GENERATOR
+from asyncrl.core.security import GENERATOR
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,7 +20,7 @@ from buffer_wire import Peers, buffer_config, exchange, send_samples
 from running_buffer import RunningBuffer, running_buffer
 
 from asyncrl.buffer.metrics import busy_fraction
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     Ack,
     BatchRequest,
     ErrorReply,
@@ -33,8 +33,8 @@ from asyncrl.messages import (
     decode,
     encode,
 )
-from asyncrl.security import GENERATOR, LEARNER
-from asyncrl.transport import RequestClient, client_socket
+from asyncrl.core.security import GENERATOR, LEARNER
+from asyncrl.core.transport import RequestClient, client_socket
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,7 +10,7 @@ import zmq
 from buffer_wire import RESPONSE_LEN, buffer_config, exchange_frames, trajectories
 from running_buffer import running_buffer
 
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     SCHEMA_VERSION,
     Ack,
     ArraySpec,

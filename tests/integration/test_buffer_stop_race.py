@@ -17,7 +17,7 @@ import zmq
 from buffer_wire import Peers, buffer_config, exchange, send_samples
 from running_buffer import running_buffer
 
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     Ack,
     BatchRequest,
     SaveBufferState,
@@ -27,7 +27,7 @@ from asyncrl.messages import (
     decode,
     encode,
 )
-from asyncrl.paths import BUFFER_STATE, checkpoint_dir
+from asyncrl.core.paths import BUFFER_STATE, checkpoint_dir
 
 pytestmark = pytest.mark.timeout(60)
 

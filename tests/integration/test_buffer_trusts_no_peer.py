@@ -30,7 +30,7 @@ from buffer_wire import (
 )
 from running_buffer import RunningBuffer, running_buffer
 
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     SCHEMA_VERSION,
     Ack,
     BatchRequest,
@@ -50,8 +50,8 @@ from asyncrl.messages import (
     decode,
     encode,
 )
-from asyncrl.paths import checkpoint_dir
-from asyncrl.transport import client_socket
+from asyncrl.core.paths import checkpoint_dir
+from asyncrl.core.transport import client_socket
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -26,9 +26,9 @@ from collective_testing import (
     wait_for,
 )
 
-from asyncrl.transport import free_port, tcp
+from asyncrl.core.transport import free_port, tcp
 from asyncrl.weights import WeightPublisher
-from asyncrl.weights.collective_sender import CollectiveSender
+from asyncrl.weights.collective.sender import CollectiveSender
 
 pytestmark = pytest.mark.slow
 

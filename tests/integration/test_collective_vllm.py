@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import Config, GeneratorsConfig, ModelConfig, TinyModelConfig, WeightsConfig
+from asyncrl.generation.models import build_policy
 from asyncrl.generators.backend import Rollout
 from asyncrl.generators.engines import build_backend
-from asyncrl.models import build_policy
-from asyncrl.weights.collective_receiver import CollectiveSource
-from asyncrl.weights.collective_sender import CollectiveSender
+from asyncrl.weights.collective.receiver import CollectiveSource
+from asyncrl.weights.collective.sender import CollectiveSender
 from asyncrl.weights.snapshot import SnapshotStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from test_launch_end_to_end import REPO, processes_of
 
-from asyncrl.status import read_metrics
+from asyncrl.run.status import read_metrics
 
 pytestmark = pytest.mark.slow
 

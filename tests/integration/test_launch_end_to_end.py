@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from run_processes import processes_of
 
-from asyncrl.status import read_metrics
+from asyncrl.run.status import read_metrics
 
 pytestmark = pytest.mark.slow
 

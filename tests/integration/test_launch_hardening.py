@@ -27,7 +27,7 @@ import yaml
 from run_processes import processes_of
 from test_ray import actor_process, assert_nothing_left, ray_temp_dir
 
-from asyncrl.status import read_metrics
+from asyncrl.run.status import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from test_backend_contract import BLOCK, ENGINES, MODEL, make_rollouts, run_to_completion
 
-from asyncrl import lora
 from asyncrl.config import GeneratorsConfig, LoraConfig
+from asyncrl.core.messages import BASE_DIGEST
+from asyncrl.generation import lora
+from asyncrl.generation.models import build_policy
 from asyncrl.learner.algorithms.logprobs import token_logprobs
-from asyncrl.messages import BASE_DIGEST
-from asyncrl.models import build_policy
 
 peft = pytest.importorskip("peft")
 

@@ -19,10 +19,10 @@ from fault_harness import keep_base_env
 from run_processes import processes_of
 from torch.distributed.checkpoint import FileSystemReader
 
-from asyncrl import lora
 from asyncrl.config import load_config
-from asyncrl.models import build_policy
-from asyncrl.status import read_metrics
+from asyncrl.generation import lora
+from asyncrl.generation.models import build_policy
+from asyncrl.run.status import read_metrics
 
 pytestmark = pytest.mark.slow
 peft = pytest.importorskip("peft")

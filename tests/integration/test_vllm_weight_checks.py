@@ -14,15 +14,15 @@ import torch
 import zmq
 from test_collective_vllm import BUCKET_BYTES, MODEL, engine_config, greedy
 
+from asyncrl.core.transport import free_port, tcp
+from asyncrl.generation.models import build_policy
 from asyncrl.generators.engines import build_backend
-from asyncrl.models import build_policy
-from asyncrl.transport import free_port, tcp
 from asyncrl.weights import WeightClient, WeightPublisher
 from asyncrl.weights.checks import WeightsRefused
-from asyncrl.weights.collective_receiver import CollectiveSource
-from asyncrl.weights.collective_sender import CollectiveSender
+from asyncrl.weights.collective.receiver import CollectiveSource
+from asyncrl.weights.collective.sender import CollectiveSender
 from asyncrl.weights.snapshot import SnapshotStore
-from asyncrl.weights.zmq_source import ZmqSource
+from asyncrl.weights.zmq.source import ZmqSource
 
 pytestmark = [
     pytest.mark.slow,

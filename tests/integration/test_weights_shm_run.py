@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from run_processes import processes_of
 
-from asyncrl.status import read_metrics
-from asyncrl.weights.shm import NAME, POINTER_FILE, SHM_DIR
+from asyncrl.run.status import read_metrics
+from asyncrl.weights.shm.segment import NAME, POINTER_FILE, SHM_DIR
 
 pytestmark = pytest.mark.slow
 

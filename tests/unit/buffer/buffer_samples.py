@@ -6,7 +6,7 @@ import numpy as np
 
 from asyncrl.buffer.store import BufferStore, Sample
 from asyncrl.config import BufferConfig
-from asyncrl.messages import TrajectoryMeta, WorkItem
+from asyncrl.core.messages import TrajectoryMeta, WorkItem
 
 TIMEOUT = 10.0
 

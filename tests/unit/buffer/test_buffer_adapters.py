@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from test_buffer_eval_service import LEARNER, Recorded, samples_of
 
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     BASE_DIGEST,
     Ack,
     AdapterPublished,
@@ -17,7 +17,7 @@ from asyncrl.messages import (
     WorkGrant,
     WorkRequest,
 )
-from asyncrl.wire import WireError
+from asyncrl.core.wire import WireError
 
 V1 = "0123456789abcdef" * 2
 LORA = ("model.lora.rank=4",)
@@ -93,7 +93,7 @@ def test_a_run_without_adapters_alone_neither_takes_announcements_nor_checks():
 
 
 def test_digests_on_the_wire_are_checked_when_decoded():
-    from asyncrl.messages import decode, encode
+    from asyncrl.core.messages import decode, encode
 
     with pytest.raises(WireError, match="digest"):
         decode(encode(AdapterPublished(1, "not-a-digest")))

@@ -13,7 +13,7 @@ from test_buffer_validation import check, held_store, message
 
 from asyncrl.buffer.metrics import episode_metrics, generators_summary
 from asyncrl.buffer.validation import check_stats
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     BatchRequest,
     EpisodeCounts,
     Trajectories,

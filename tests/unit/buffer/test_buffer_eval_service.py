@@ -15,7 +15,7 @@ import pytest
 from asyncrl.buffer.main import build_store
 from asyncrl.buffer.service import BufferService
 from asyncrl.config import load_config
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     Ack,
     BatchRequest,
     StartEval,
@@ -28,7 +28,7 @@ from asyncrl.messages import (
     decode,
     encode,
 )
-from asyncrl.tasks import work_item_factory
+from asyncrl.generation.tasks import work_item_factory
 
 LEARNER = b"learner"
 

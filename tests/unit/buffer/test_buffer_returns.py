@@ -11,7 +11,7 @@ import pytest
 from test_buffer_eval_service import Recorded, samples_of
 
 from asyncrl.buffer.returns import Returns
-from asyncrl.messages import Ack, Heartbeat, Join, WorkRequest
+from asyncrl.core.messages import Ack, Heartbeat, Join, WorkRequest
 
 
 @pytest.fixture

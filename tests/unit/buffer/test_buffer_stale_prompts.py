@@ -23,7 +23,7 @@ from asyncrl.buffer.service import BufferService
 from asyncrl.buffer.skips import SKIPPED_PROMPTS
 from asyncrl.buffer.store import BufferStore
 from asyncrl.config import load_config
-from asyncrl.paths import BUFFER_STATE
+from asyncrl.core.paths import BUFFER_STATE
 
 
 def ids(items) -> list[int]:

@@ -8,7 +8,7 @@ import pytest
 from test_data import chat_tokenizer, row, write_jsonl
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.tasks import eval_work_items, work_item_factory
+from asyncrl.generation.tasks import eval_work_items, work_item_factory
 
 TINY = "model.tiny={}"
 

@@ -40,81 +40,28 @@ from import_graph import (  # noqa: E402  (scripts/ is not a package)
     role_violations,
 )
 
+
+def package(name: str) -> tuple[str, str]:
+    """A package and every module in it."""
+    return (name, f"{name}.")
+
+
 LAYERS = [
+    # the wire, sockets, keys, the config schema and the weight paths
     Layer(
         "core",
         (
             "asyncrl",
-            "asyncrl.config",
-            "asyncrl.config.",  # the schema as a package, once it is split
-            "asyncrl.envs.config",  # the `environment` section of the schema
-            "asyncrl.messages",
-            "asyncrl.wire",
-            "asyncrl.weight_messages",
-            "asyncrl.transport",
-            "asyncrl.message_limits",
-            "asyncrl.connection_guard",
-            "asyncrl.security",
-            "asyncrl.credentials",
-            "asyncrl.keys_folder",
-            "asyncrl.signing",
-            "asyncrl.paths",
-            "asyncrl.weights",
-            "asyncrl.weights.",
-            "asyncrl.progress",
-            "asyncrl.yaml_files",
-            "asyncrl.machine",
-            "asyncrl.cores",  # which cores each role's process computes on
-            "asyncrl.trajectory",
-            "asyncrl.tracking",
-            "asyncrl.stop_signals",  # every process that stops on a signal, roles included
-            "asyncrl.waiting",
-            "asyncrl.reductions",  # how a statistic combines, declared with it
+            *package("asyncrl.core"),
+            *package("asyncrl.config"),
+            *package("asyncrl.weights"),
         ),
     ),
-    Layer(
-        "generation",
-        (
-            "asyncrl.tasks",
-            "asyncrl.data",
-            "asyncrl.data_files",
-            "asyncrl.rewards",
-            "asyncrl.rewards.",
-            "asyncrl.envs",
-            "asyncrl.envs.",
-            "asyncrl.models",
-            "asyncrl.lora",  # the policy's LoRA adapters (peft)
-            "asyncrl.char_tokenizer",
-            "asyncrl.process_tree",  # user code's processes: started, kept and killed together
-            "asyncrl.contained",
-            "asyncrl.plugin_check",
-            "asyncrl.plugin_check_child",
-        ),
-    ),
+    # prompts, rewards, environments and the sandbox, models
+    Layer("generation", package("asyncrl.generation")),
     Layer("roles", ("asyncrl.learner", "asyncrl.generators", "asyncrl.buffer")),
-    Layer(
-        "run",
-        (
-            "asyncrl.__main__",
-            "asyncrl.cli",
-            "asyncrl.launch",
-            "asyncrl.ray_cluster",
-            "asyncrl.ray_actors",
-            "asyncrl.ray_placement",
-            "asyncrl.ray_plan",
-            "asyncrl.ray_run",
-            "asyncrl.console",
-            "asyncrl.status",
-            "asyncrl.watchdog",
-            "asyncrl.preflight",
-            "asyncrl.roles",
-            "asyncrl.supervision",
-            "asyncrl.local_run",
-            "asyncrl.closing",
-            "asyncrl.testbed",  # several test hosts on one machine, for tests and benchmarks
-            "asyncrl.testbed.",
-        ),
-    ),
+    # the command line, the launcher, Ray, supervision; the multi-host test bed
+    Layer("run", ("asyncrl.__main__", *package("asyncrl.run"), *package("asyncrl.testbed"))),
 ]
 """Each layer's modules: a name, or a prefix ending in ``.`` for a package's modules."""
 
@@ -135,7 +82,8 @@ def test_the_deployment_folders_map_onto_asyncrl_subpackages():
     assert mapping["asyncrl.learner"] == ROOT / "learner"
     files = module_files(mapping)
     assert files["asyncrl.generators.worker"] == ROOT / "generators" / "worker.py"
-    assert files["asyncrl.envs"] == ROOT / "asyncrl" / "envs" / "__init__.py"
+    envs = ROOT / "asyncrl" / "generation" / "envs"
+    assert files["asyncrl.generation.envs"] == envs / "__init__.py"
     assert not any(name.startswith(("learner", "generators", "buffer")) for name in files)
 
 
@@ -206,8 +154,7 @@ def test_layer_violations_name_both_ends():
 def test_importing_the_config_schema_loads_no_sandbox_rewards_or_environments():
     code = (
         "import sys, asyncrl.config; "
-        "print(sorted(m for m in sys.modules if m.startswith(('asyncrl.rewards', "
-        "'asyncrl.envs.', 'asyncrl.tasks')) and m != 'asyncrl.envs.config'))"
+        "print(sorted(m for m in sys.modules if m.startswith('asyncrl.generation')))"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT

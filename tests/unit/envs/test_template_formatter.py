@@ -18,15 +18,19 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from asyncrl.envs import (
+from asyncrl.config.environment import EnvironmentConfig
+from asyncrl.generation.envs import (
     ChatMLFormatter,
     Codec,
-    EnvironmentConfig,
     PlainTextFormatter,
     ToolEnvironment,
     run_episode,
 )
-from asyncrl.envs.formatting import TemplateFormatError, TemplateFormatter, build_formatter
+from asyncrl.generation.envs.formatting import (
+    TemplateFormatError,
+    TemplateFormatter,
+    build_formatter,
+)
 from asyncrl.generators.episodes import Episodes
 
 QWEN25 = """\

@@ -11,11 +11,11 @@ import pytest
 from test_episodes import CountdownEnv, ScriptedBackend, drive, item, make_episodes, said
 from test_eval_replica import run_replica
 
-from asyncrl.envs.config import EnvironmentConfig
-from asyncrl.envs.threads import StepPool
+from asyncrl.config.environment import EnvironmentConfig
+from asyncrl.core.messages import MAX_EPISODE_COUNT, EpisodeCounts
+from asyncrl.generation.envs.threads import StepPool
+from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.generators.episodes import ERROR_ENVIRONMENT, Episodes, episode_counts
-from asyncrl.messages import MAX_EPISODE_COUNT, EpisodeCounts
-from asyncrl.tasks import build_tokenizer
 
 STEP_S = 0.05
 

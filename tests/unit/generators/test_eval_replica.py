@@ -12,8 +12,7 @@ import zmq
 from test_episodes import ScriptedBackend
 
 from asyncrl.config import load_config
-from asyncrl.generators.worker import GeneratorReplica
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     Ack,
     Heartbeat,
     Leave,
@@ -23,7 +22,8 @@ from asyncrl.messages import (
     WorkItem,
     WorkRequest,
 )
-from asyncrl.tasks import build_tokenizer
+from asyncrl.generation.tasks import build_tokenizer
+from asyncrl.generators.worker import GeneratorReplica
 
 MESSAGES = [{"role": "user", "content": "123="}]
 EVAL_ITEM = WorkItem(-1, 2, [1, 4, 5, 6, 13], "234", "synthetic/digits", {}, MESSAGES, 3)

@@ -15,9 +15,9 @@ from test_episodes import ScriptedBackend
 from test_replica_splits_messages import finished_rollout
 
 from asyncrl.config import load_config
+from asyncrl.core.messages import Ack, Leave, Trajectories, WorkGrant, WorkRequest
+from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.generators.worker import GeneratorReplica
-from asyncrl.messages import Ack, Leave, Trajectories, WorkGrant, WorkRequest
-from asyncrl.tasks import build_tokenizer
 
 
 class OrderedBuffer:

@@ -1,7 +1,7 @@
 """A replica sends its finished samples in messages that fit the buffer's frame cap.
 
 The buffer's socket drops a peer that sends a frame over its cap
-(``asyncrl.message_limits.buffer_frame_limit``), so a replica with more finished
+(``asyncrl.core.message_limits.buffer_frame_limit``), so a replica with more finished
 samples than one message may hold splits them: every sample arrives once, and every
 frame stays within what the cap was derived from.
 """
@@ -12,16 +12,16 @@ import zmq
 from test_eval_replica import NoNewWeights
 
 from asyncrl.config import load_config
-from asyncrl.generators.backend import Rollout
-from asyncrl.generators.worker import GeneratorReplica
-from asyncrl.message_limits import (
+from asyncrl.core.message_limits import (
     GENERATOR_HEADER_BYTES,
     TRAJECTORY_MESSAGE_BYTES,
     buffer_frame_limit,
     sample_bytes,
 )
-from asyncrl.messages import Ack, Trajectories, encode
-from asyncrl.tasks import build_tokenizer
+from asyncrl.core.messages import Ack, Trajectories, encode
+from asyncrl.generation.tasks import build_tokenizer
+from asyncrl.generators.backend import Rollout
+from asyncrl.generators.worker import GeneratorReplica
 
 PROMPT_LEN = 64
 RESPONSE_LEN = 2000

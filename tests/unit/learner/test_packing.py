@@ -13,6 +13,7 @@ import torch
 from learner_testing import GROUP, TINY_LEARNER, synthetic_batch
 
 from asyncrl.config import load_config
+from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.learner import packing
 from asyncrl.learner.algorithms import logprobs as head_chunks
 from asyncrl.learner.batch import TrainBatch
@@ -20,7 +21,6 @@ from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.microbatch import MicroBatch
 from asyncrl.learner.packing import Layout, packed_input, padded_input, token_outputs
 from asyncrl.learner.policy import Learner
-from asyncrl.tasks import build_tokenizer
 
 PROMPT = 3
 """The synthetic batch's prompt length: its loss mask starts at position 2."""

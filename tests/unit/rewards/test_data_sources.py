@@ -10,11 +10,9 @@ import pytest
 import test_preflight
 from test_preflight import config_for, jsonl, problems_of, row
 
-from asyncrl import preflight as preflight_module
-from asyncrl import tasks
-from asyncrl.envs.tool_env import default_score
-from asyncrl.preflight import preflight
-from asyncrl.rewards import (
+from asyncrl.generation import tasks
+from asyncrl.generation.envs.tool_env import default_score
+from asyncrl.generation.rewards import (
     ERROR_NO_FUNCTION,
     RewardFunctionError,
     builtin_reward_function,
@@ -26,7 +24,9 @@ from asyncrl.rewards import (
     math_score,
     reward_range,
 )
-from asyncrl.rewards.worker import score_one
+from asyncrl.generation.rewards.worker import score_one
+from asyncrl.run import preflight as preflight_module
+from asyncrl.run.preflight import preflight
 
 VERL_NAMES = {
     "openai/gsm8k": gsm8k_score,
@@ -83,7 +83,7 @@ def test_an_environment_default_score_resolves_the_same_way():
 
 
 # --------------------------------------------------------------------------
-# at start-up (asyncrl.preflight)
+# at start-up (asyncrl.run.preflight)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from test_console import RECORD
 from test_eval_console import append, record
 
 from asyncrl.config import load_config
-from asyncrl.console import LiveConsole, PlainConsole, step_line
+from asyncrl.run.console import LiveConsole, PlainConsole, step_line
 
 EPISODES = {
     "episode_turns_mean": 2.125, "episode_tool_calls_mean": 1.5,

@@ -8,8 +8,8 @@ import json
 from rich.console import Console
 
 from asyncrl.config import load_config, save_config
-from asyncrl.console import LiveConsole, PlainConsole
-from asyncrl.status import show
+from asyncrl.run.console import LiveConsole, PlainConsole
+from asyncrl.run.status import show
 
 
 def record(step: int, eval_reward: float | None = None) -> dict:

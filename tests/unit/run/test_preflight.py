@@ -1,4 +1,4 @@
-"""Launch-time checks (asyncrl.preflight): every problem one line, naming the config key
+"""Launch-time checks (asyncrl.run.preflight): every problem one line, naming the config key
 and, for data, the file and row; a reward function is called in a worker process."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from asyncrl import preflight as preflight_module
 from asyncrl.config import load_config
-from asyncrl.preflight import PreflightError, preflight
+from asyncrl.run import preflight as preflight_module
+from asyncrl.run.preflight import PreflightError, preflight
 
 ROOT = Path(__file__).resolve().parents[3]
 SMOLLM2 = ROOT / "models" / "SmolLM2-135M-Instruct"

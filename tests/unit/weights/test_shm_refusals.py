@@ -19,14 +19,14 @@ import pytest
 import torch
 
 from asyncrl.config import GeneratorsConfig, ModelConfig, TinyModelConfig
+from asyncrl.core.messages import TensorEntry
+from asyncrl.generation.models import build_policy, tied_names
 from asyncrl.generators.hf_backend import HFBackend, Rollout
 from asyncrl.generators.weight_sync import WeightSync
-from asyncrl.messages import TensorEntry
-from asyncrl.models import build_policy, tied_names
 from asyncrl.weights.layout import TORCH_DTYPES
-from asyncrl.weights.shm import HEADER, INDEX_DECODER, PAGE, SLOT_HEADER, SLOT_HEADER_BYTES
-from asyncrl.weights.shm_reader import ShmSource
-from asyncrl.weights.shm_writer import ShmWriter
+from asyncrl.weights.shm.reader import ShmSource
+from asyncrl.weights.shm.segment import HEADER, INDEX_DECODER, PAGE, SLOT_HEADER, SLOT_HEADER_BYTES
+from asyncrl.weights.shm.writer import ShmWriter
 
 torch.set_num_threads(1)
 

@@ -13,10 +13,10 @@ import torch
 import zmq
 from test_shm_refusals import EMBEDDING, holds, make_backend, published, sample
 
-from asyncrl.transport import free_port, tcp
+from asyncrl.core.transport import free_port, tcp
 from asyncrl.weights import WeightClient, WeightPublisher
 from asyncrl.weights.checks import WeightsRefused
-from asyncrl.weights.zmq_source import ZmqSource
+from asyncrl.weights.zmq.source import ZmqSource
 
 
 @pytest.fixture

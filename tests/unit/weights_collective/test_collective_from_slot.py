@@ -10,12 +10,12 @@ import pytest
 import torch
 from collective_testing import LEARNER_KEY, command, running_replica, version_tensors, wait_for
 
-import asyncrl.weights.collective_outgoing as outgoing
-import asyncrl.weights.shm_writer as shm_writer
-from asyncrl.weights.collective_sender import CollectiveSender
-from asyncrl.weights.shm import PROGRESS_OFFSET
-from asyncrl.weights.shm_publisher import ShmPublisher
-from asyncrl.weights.shm_writer import ShmWriter
+import asyncrl.weights.collective.outgoing as outgoing
+import asyncrl.weights.shm.writer as shm_writer
+from asyncrl.weights.collective.sender import CollectiveSender
+from asyncrl.weights.shm.publisher import ShmPublisher
+from asyncrl.weights.shm.segment import PROGRESS_OFFSET
+from asyncrl.weights.shm.writer import ShmWriter
 from asyncrl.weights.snapshot import SnapshotStore
 
 WIDTH, LAYERS = 32, 4  # 4 KiB per square weight

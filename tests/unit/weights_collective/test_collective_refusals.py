@@ -10,7 +10,7 @@ from collective_testing import command, running_replica, version_tensors
 from test_collective_from_slot import BUCKET_BYTES, LAYERS, WIDTH, assert_holds, learner
 from test_shm_refusals import NAN, tamper
 
-from asyncrl.weights.shm import SHM_DIR
+from asyncrl.weights.shm.segment import SHM_DIR
 
 pytestmark = pytest.mark.slow  # a spawned replica process
 
