@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from asyncrl.generation.moved import moved_hint
+
 
 class PluginError(ValueError):
     """A plug-in named in the config cannot be found, imported or built."""
@@ -47,10 +49,8 @@ def _import_module(module_name: str, what: str, spec: str) -> Any:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise PluginError(
-                f"{what} {spec!r}: no module named {exc.name!r} "
-                f"(is it installed, or on PYTHONPATH?)"
-            ) from exc
+            hint = moved_hint(module_name) or " (is it installed, or on PYTHONPATH?)"
+            raise PluginError(f"{what} {spec!r}: no module named {exc.name!r}{hint}") from exc
         raise PluginError(f"{what} {spec!r}: importing {module_name!r} failed: {exc}") from exc
     except Exception as exc:
         raise PluginError(f"{what} {spec!r}: importing {module_name!r} failed: {exc!r}") from exc

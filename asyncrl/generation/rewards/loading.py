@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from asyncrl.generation.moved import moved_hint
 from asyncrl.generation.rewards.sources import (
     RewardFunction,
     builtin_reward_function,
@@ -61,6 +62,7 @@ def load_reward_function(spec: str) -> RewardFunction:
         except ImportError as error:
             raise RewardFunctionError(
                 f"reward function '{spec}': cannot import module '{where}': {error}"
+                f"{moved_hint(where)}"
             ) from error
         source = f"module '{where}'"
     if not hasattr(module, name):
