@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, wait
 from pathlib import Path
 
 import msgspec
@@ -160,10 +159,18 @@ class GeneratorReplica:
         self.started_at = time.monotonic()
         self.scorer = RewardScorer.from_config(config.reward)
         """Scores finished samples in worker processes, off this loop (asyncrl.rewards)."""
-        self.scoring: list[tuple[Rollout, Future]] = []
-        """Finished samples waiting for their reward."""
-        self.extra_info: dict[int, list] = {}
-        """group_id -> [its WorkItem's extra_info, samples not yet scored], when not empty."""
+        self.episodes = Episodes(
+            config.environment,
+            backend.tokenizer,
+            config.generators.max_new_tokens,
+            scorer=self.scorer,
+            max_prompt_tokens=config.data.max_prompt_tokens,
+        )
+        """Every sample is an episode: one turn, or multi-turn when ``environment`` is
+        configured (the environment gives their reward, its named reward function scored by
+        this replica's ``scorer``)."""
+        self.scored: list[tuple[Rollout, Score]] = []
+        """Samples whose reward is in, to go with the next send."""
         self.served_adapters: dict[int, str] = {}
         """Version -> digest of the LoRA adapter the engine held for it (adapters published
         alone: ``backend.adapter_digest``), reported with the samples of those versions."""
@@ -171,17 +178,6 @@ class GeneratorReplica:
         self.eval_rounds: dict[int, int] = {}
         """Eval group id -> the round it was last handed out in (at most one entry per
         eval prompt; training group ids are never negative, so never here)."""
-        self.episodes: Episodes | None = None
-        """Multi-turn episodes, when ``environment`` is configured: the environment gives
-        their reward, its named reward function scored by this replica's ``scorer``."""
-        if config.environment is not None:
-            self.episodes = Episodes(
-                config.environment,
-                backend.tokenizer,
-                config.generators.max_new_tokens,
-                scorer=self.scorer,
-                max_prompt_tokens=config.data.max_prompt_tokens,
-            )
 
     @property
     def weights(self):
@@ -200,50 +196,42 @@ class GeneratorReplica:
             retry_after = self.top_up()
             if retry_after is None:  # stopping; only Leave may follow the request left open
                 break
-            self.collect_episodes()
+            self.collect()
             if not self.active:
-                stepping = self.episodes is not None and self.episodes.waiting
-                pause_s = 0.005 if stepping else max(retry_after, 0.01)
-                if self.scoring:  # wait for the rewards, not out the pause: samples go at once
-                    self.send([], wait_s=pause_s)
+                pause_s = 0.005 if self.episodes.waiting else max(retry_after, 0.01)
+                if self.scored or self.episodes.unscored:  # wait for the rewards, not out
+                    self.send([], wait_s=pause_s)  # the pause: samples go at once
                 else:
                     time.sleep(pause_s)
                 progress.beat("waiting for work", detail=self._progress_detail)  # a turn
                 continue
-            busy_from = time.monotonic()
-            if not self.weights_checked:
-                self.sync_weights()
-            chunk_from = time.monotonic()
-            self.backend.generate_chunk(self.active, self.config.generators.chunk_tokens)
-            chunk_s = time.monotonic() - chunk_from
-            self.stats["chunks"] += 1
-            self.stats["chunk_s_max"] = max(self.stats["chunk_s_max"], chunk_s)
-            self.stats["busy_s"] += time.monotonic() - busy_from
+            self.generate_chunk()
             ended = [r for r in self.active if r.finished]
             self.active = [r for r in self.active if not r.finished]
-            finished = []
-            for rollout in ended:
-                if self.episodes is not None and self.episodes.owns(rollout):
-                    self.episodes.end_turn(rollout)  # a turn ended, maybe not the episode
-                else:
-                    finished.append(rollout)
-            if finished or self.scoring:
-                self.send(finished)
+            self.send(ended)  # a turn ended, maybe not the episode
             progress.beat("generating", detail=self._progress_detail)  # a chunk made
+
+    def generate_chunk(self) -> None:
+        """Extend the active rollouts by one chunk, with the newest weights."""
+        busy_from = time.monotonic()
+        if not self.weights_checked:
+            self.sync_weights()
+        chunk_from = time.monotonic()
+        self.backend.generate_chunk(self.active, self.config.generators.chunk_tokens)
+        chunk_s = time.monotonic() - chunk_from
+        self.stats["chunks"] += 1
+        self.stats["chunk_s_max"] = max(self.stats["chunk_s_max"], chunk_s)
+        self.stats["busy_s"] += time.monotonic() - busy_from
 
     def _progress_detail(self) -> str:
         return f"{len(self.active)} rollouts, {self.stats['samples_sent']} samples sent"
 
-    def collect_episodes(self) -> None:
-        """Episodes the environment has answered go back to generation or out as samples."""
-        if self.episodes is None:
-            return
+    def collect(self) -> None:
+        """Episodes the environment or the reward workers have answered go back to
+        generation or join the samples to send."""
         continuing, finished = self.episodes.collect()
         self.active += continuing
-        for rollout, score in finished:
-            scored: Future = Future()
-            scored.set_result(score)
-            self.scoring.append((rollout, scored))
+        self.scored += finished
         self.stats.update({f"env_{key}": value for key, value in self.episodes.stats.items()})
 
     def close(self) -> None:
@@ -251,8 +239,7 @@ class GeneratorReplica:
         self.leave()
         self.weight_sync.close()
         self.scorer.close()
-        if self.episodes is not None:
-            self.episodes.close()
+        self.episodes.close()
 
     def leave(self) -> None:
         """Tell the buffer this replica stops, so its unfinished groups are requeued now."""
@@ -277,9 +264,8 @@ class GeneratorReplica:
     def top_up(self) -> float | None:
         """Ask the buffer for as many samples as there is room for; returns its retry hint,
         or None when asked to stop while the buffer held the request."""
-        room = self.config.generators.max_active_samples - len(self.active)
-        if self.episodes is not None:
-            room -= self.episodes.waiting
+        # an episode waiting on its environment holds a slot too
+        room = self.config.generators.max_active_samples - len(self.active) - self.episodes.waiting
         if room < self.config.algorithm.group_size:
             return 0.0
         grant = self.ask_for_work(room)
@@ -289,32 +275,16 @@ class GeneratorReplica:
         for item in grant.items:
             if item.eval_round != NOT_EVAL:
                 self.eval_rounds[item.group_id] = item.eval_round
-            if self.episodes is not None:
-                for index in range(item.num_samples):
-                    rollout = self.episodes.start(item, index, now)
-                    if not rollout.finished:
-                        self.active.append(rollout)
-                continue
-            if item.extra_info:
-                self.extra_info[item.group_id] = [item.extra_info, item.num_samples]
             for index in range(item.num_samples):
-                self.active.append(
-                    Rollout(
-                        item.group_id,
-                        index,
-                        list(item.prompt_ids),
-                        item.ground_truth,
-                        item.data_source,
-                        started_at=now,
-                    )
-                )
+                rollout = self.episodes.start(item, index, now)
+                if not rollout.finished:  # else its environment is still being made
+                    self.active.append(rollout)
         return grant.retry_after_s
 
     def idle(self) -> bool:
         """Nothing generating, waiting for an environment or being scored: a replica that
         blocks at the buffer now delays nothing of its own."""
-        stepping = self.episodes is not None and self.episodes.waiting
-        return not (self.active or self.scoring or stepping)
+        return not (self.active or self.scored or self.episodes.waiting or self.episodes.unscored)
 
     def ask_for_work(self, room: int) -> WorkGrant | None:
         """The buffer's answer to a WorkRequest for ``room`` samples, or None if asked to stop.
@@ -425,31 +395,19 @@ class GeneratorReplica:
         versions = {v for r in rollouts for v in r.token_versions if v >= 0}
         return {v: self.served_adapters[v] for v in versions if v in self.served_adapters}
 
-    def send(self, finished: list[Rollout], wait_s: float = SCORE_WAIT_S) -> None:
-        """Ask for the rewards of ``finished``; send every sample whose reward is in after
-        at most ``wait_s`` (sooner once all are), in messages that fit the buffer's frame cap
-        (:func:`~asyncrl.message_limits.split_for_sending`)."""
-        decode = self.backend.tokenizer.decode
-        samples = []
-        for r in finished:
-            text = decode(r.response_ids, skip_special_tokens=True)
-            extra = self.extra_info.get(r.group_id)
-            if extra is not None:
-                extra[1] -= 1
-                if extra[1] <= 0:
-                    del self.extra_info[r.group_id]
-            samples.append((r.data_source, text, r.ground_truth, extra[0] if extra else {}))
-        if samples:  # one batch for the reward workers, not a round trip per sample
-            futures = self.scorer.submit_many(samples)
-            self.scoring += zip(finished, futures, strict=True)
-        wait([future for _, future in self.scoring], timeout=wait_s)
-        done = [future.done() for _, future in self.scoring]
-        scored = [pair for pair, ready in zip(self.scoring, done, strict=True) if ready]
-        if not scored:
+    def send(self, ended: list[Rollout], wait_s: float = SCORE_WAIT_S) -> None:
+        """Hand the turns that ``ended`` to their episodes; send every sample whose reward is
+        in after at most ``wait_s`` (sooner once all are), in messages that fit the buffer's
+        frame cap (:func:`~asyncrl.message_limits.split_for_sending`)."""
+        self.episodes.end_turns(ended)
+        if self.episodes.unscored:
+            self.episodes.wait_for_scores(wait_s)
+            self.collect()
+        if not self.scored:
             return
-        self.scoring = [pair for pair, ready in zip(self.scoring, done, strict=True) if not ready]
-        rollouts = [r for r, _ in scored]
-        scores = [future.result() for _, future in scored]
+        rollouts = [r for r, _ in self.scored]
+        scores = [score for _, score in self.scored]
+        self.scored = []
         lengths = [(len(r.prompt_ids), len(r.response_ids)) for r in rollouts]
         for part in split_for_sending(lengths):  # each message within the buffer's frame cap
             metas, arrays = self.package(rollouts[part], scores[part])

@@ -13,7 +13,8 @@ from test_eval_replica import run_replica
 
 from asyncrl.envs.config import EnvironmentConfig
 from asyncrl.envs.threads import StepPool
-from asyncrl.generators.episodes import ERROR_ENVIRONMENT, Episodes, episode_counts
+from asyncrl.generators.episode_failures import ERROR_ENVIRONMENT
+from asyncrl.generators.episodes import Episodes, episode_counts
 from asyncrl.messages import MAX_EPISODE_COUNT, EpisodeCounts
 from asyncrl.tasks import build_tokenizer
 

@@ -15,12 +15,12 @@ from asyncrl.envs import Environment, ScoreRequest, StepResult
 from asyncrl.envs.config import EnvironmentConfig
 from asyncrl.envs.formatting import PlainTextFormatter
 from asyncrl.generators.backend import Rollout, StopStrings, append_tokens
-from asyncrl.generators.episodes import (
+from asyncrl.generators.episode_failures import (
     ERROR_ENVIRONMENT,
     ERROR_ENVIRONMENT_TIMEOUT,
     ERROR_PROMPT_TOO_LONG,
-    Episodes,
 )
+from asyncrl.generators.episodes import Episodes
 from asyncrl.generators.hf_backend import HFBackend
 from asyncrl.messages import WorkItem
 from asyncrl.models import build_policy
