@@ -29,8 +29,12 @@ are generated like any other, in chunks, across weight loads, one turn or a
 multi-turn episode, scored by the same reward path, and sent back tagged with
 their round (``TrajectoryMeta.eval_round``); the buffer keeps them out of training.
 
-The process around the loop (policy, backend, joining the run, stop signals,
-heartbeats) is :mod:`asyncrl.generators.main`.
+Every sample is an episode of :mod:`asyncrl.generators.episodes`, one model turn or,
+with an ``environment``, many: the loop hands each rollout whose turn ended to its
+episode and sends what comes back scored, with no path of its own for either kind. What
+the replica says to the buffer, and in which order the answers are read, is
+:mod:`asyncrl.generators.buffer_link`. The process around the loop (policy, backend,
+joining the run, stop signals, heartbeats) is :mod:`asyncrl.generators.main`.
 """
 
 from __future__ import annotations
@@ -46,23 +50,20 @@ import zmq
 from asyncrl import progress
 from asyncrl.config import Config
 from asyncrl.generators.backend import Backend, Rollout
+from asyncrl.generators.buffer_link import BufferLink
 from asyncrl.generators.episodes import Episodes
 from asyncrl.generators.weight_sync import WeightSync
 from asyncrl.message_limits import split_for_sending
 from asyncrl.messages import (
     MAX_ADAPTER_DIGESTS,
     NOT_EVAL,
-    Ack,
-    Leave,
     Trajectories,
     TrajectoryMeta,
     WorkGrant,
-    WorkRequest,
 )
 from asyncrl.rewards import RewardScorer, Score
 from asyncrl.trajectory import build_columns
 from asyncrl.transport import RequestClient
-from asyncrl.waiting import Waited, wait_with_stop
 from asyncrl.weights import WeightClient
 from asyncrl.weights.paths import replica_sources
 from asyncrl.weights.source import WeightSource
@@ -70,41 +71,14 @@ from asyncrl.weights.zmq_source import ZmqSource
 
 log = logging.getLogger("asyncrl.generator")
 
-LEAVE_TIMEOUT_S = 2.0
-"""How long a stopping replica waits for the buffer to acknowledge that it leaves."""
 SCORE_WAIT_S = 0.005
 """How long ``send`` waits for the scores it just asked for; later ones go with a later send."""
-STOP_POLL_S = 0.1
-"""How often a replica whose work request the buffer holds checks whether it should stop."""
 
 
 def waiting_for_weights() -> None:
     """A weight fetch the learner has not answered for a second: the learner's stall, not
     this replica's (the watchdog then blames the learner instead of restarting us)."""
     progress.beat("waiting for weights from the learner", advanced=False, waiting_for="learner")
-
-
-class BufferReply:
-    """A ``ready`` for :func:`~asyncrl.waiting.wait_with_stop` that receives the buffer's
-    answer in slices. A receive that times out has blocked for its whole slice, so the
-    slices asked for are the time waited: :meth:`waited` is the wait's clock."""
-
-    def __init__(self, buffer: RequestClient) -> None:
-        self.buffer = buffer
-        self.value: tuple | None = None
-        """``(reply, arrays)``, once :meth:`receive` said True."""
-        self.waited_s = 0.0
-
-    def receive(self, within_s: float) -> bool:
-        try:
-            self.value = self.buffer.receive(timeout_s=within_s)
-        except TimeoutError:
-            self.waited_s += within_s
-            return False
-        return True
-
-    def waited(self) -> float:
-        return self.waited_s
 
 
 class GeneratorReplica:
@@ -131,6 +105,8 @@ class GeneratorReplica:
         self.pool = pool
         self.backend = backend
         self.buffer = buffer
+        self.link = BufferLink(buffer, generator_id, incarnation, self.is_stopping)
+        """What this replica says to the buffer, answered in order (one round trip a turn)."""
         self.zmq_source = ZmqSource(
             WeightClient(context, weights_endpoint, on_wait=waiting_for_weights)
         )
@@ -141,10 +117,6 @@ class GeneratorReplica:
         )
         self.active: list[Rollout] = []
         self.stopping = False
-        self.unanswered = 0
-        """Trajectories messages sent whose Ack is not read yet: read before the reply to
-        the next request (the buffer answers a peer's messages in order), so handing in
-        samples costs no round trip of its own."""
         self.weights_checked = False
         """Newer weights were looked for in this turn of the loop (while the buffer was
         answering a work request)."""
@@ -243,23 +215,7 @@ class GeneratorReplica:
 
     def leave(self) -> None:
         """Tell the buffer this replica stops, so its unfinished groups are requeued now."""
-        try:
-            reply, _ = self.buffer.request(
-                Leave(self.generator_id, self.incarnation), timeout_s=LEAVE_TIMEOUT_S
-            )
-            # answers to what was sent before Leave: a held work request's, samples' Acks
-            owed = self.unanswered
-            while isinstance(reply, WorkGrant) or (owed and isinstance(reply, Ack)):
-                owed -= isinstance(reply, Ack)
-                reply, _ = self.buffer.receive(LEAVE_TIMEOUT_S)
-            self.unanswered = 0
-        except (TimeoutError, zmq.ZMQError) as error:  # the buffer is gone: nothing to tell
-            log.info("could not say goodbye to the buffer: %s", error)
-            return
-        if isinstance(reply, Ack):
-            log.info("left the run; %d unfinished group(s) handed back", reply.accepted)
-        else:
-            log.warning("the buffer answered Leave with %r", reply)
+        self.link.leave()
 
     def top_up(self) -> float | None:
         """Ask the buffer for as many samples as there is room for; returns its retry hint,
@@ -290,72 +246,22 @@ class GeneratorReplica:
         """The buffer's answer to a WorkRequest for ``room`` samples, or None if asked to stop.
 
         An idle replica lets the buffer hold the request until work is admitted, for
-        up to ``buffer.heartbeat_interval_s``, and checks every ``STOP_POLL_S``
-        whether it should stop. A request given up
-        that way is answered anyway, when the replica says ``Leave``.
+        up to ``buffer.heartbeat_interval_s`` (:meth:`BufferLink.wait_for_work`).
         """
-        if not self.idle():
-            self.buffer.send(WorkRequest(self.generator_id, room, incarnation=self.incarnation))
-            # the weight check's round trip overlaps the buffer's: across a link with latency,
-            # one round trip per turn of the loop instead of three
-            if not self.stopping:
-                busy_from = time.monotonic()
-                self.sync_weights()
-                self.stats["busy_s"] += time.monotonic() - busy_from
-                self.weights_checked = True
-            grant, _ = self.reply()
-            assert isinstance(grant, WorkGrant), grant
-            return grant
-        self.read_acks()  # nothing else may answer the held request
-        wait_s = self.config.buffer.heartbeat_interval_s
-        self.buffer.send(WorkRequest(self.generator_id, room, wait_s, self.incarnation))
-        reply = BufferReply(self.buffer)
-        waited = wait_with_stop(
-            reply.receive, wait_s + self.buffer.timeout_s, self.is_stopping, STOP_POLL_S,
-            clock=reply.waited,
-        )  # fmt: skip
-        if waited is Waited.STOPPED:
-            return None
-        if waited is Waited.TIMED_OUT:
-            raise TimeoutError(
-                f"no answer from {self.buffer.endpoint} within "
-                f"{wait_s + self.buffer.timeout_s:.0f}s of a held work request"
-            )
-        grant, _ = reply.value
-        assert isinstance(grant, WorkGrant), grant
-        return grant
+        if self.idle():
+            return self.link.wait_for_work(room, self.config.buffer.heartbeat_interval_s)
+        self.link.ask(room)
+        # the weight check's round trip overlaps the buffer's: across a link with latency,
+        # one round trip per turn of the loop instead of three
+        if not self.stopping:
+            busy_from = time.monotonic()
+            self.sync_weights()
+            self.stats["busy_s"] += time.monotonic() - busy_from
+            self.weights_checked = True
+        return self.link.grant()
 
     def is_stopping(self) -> bool:
         return self.stopping
-
-    def reply(self) -> tuple:
-        """The buffer's answer to the request just sent, after the Acks of the samples sent
-        before it. Once stopping, the replica waits for each at most ``LEAVE_TIMEOUT_S``
-        more: a dead buffer (its launcher killed) must not hold the replica and its reward
-        workers for the client's whole ``timeout_s``."""
-        self.read_acks()
-        return self._next_reply()
-
-    def read_acks(self) -> None:
-        """Read the Acks of the Trajectories messages sent without waiting for them."""
-        while self.unanswered:
-            ack, _ = self._next_reply()
-            assert isinstance(ack, Ack), ack
-            self.unanswered -= 1
-
-    def _next_reply(self) -> tuple:
-        reply = BufferReply(self.buffer)
-        patience_s = LEAVE_TIMEOUT_S if self.stopping else self.buffer.timeout_s
-        waited = wait_with_stop(
-            reply.receive, patience_s, self.is_stopping, STOP_POLL_S, LEAVE_TIMEOUT_S,
-            clock=reply.waited,
-        )  # fmt: skip
-        if waited is not Waited.READY:
-            stopping = " while stopping" if waited is Waited.STOPPED else ""
-            raise TimeoutError(
-                f"no reply from {self.buffer.endpoint} within {reply.waited_s:.0f}s{stopping}"
-            )
-        return reply.value
 
     def sync_weights(self) -> None:
         """Load newer weights over the first path of the chain that works
@@ -416,8 +322,7 @@ class GeneratorReplica:
             stats = {key: float(value) for key, value in self.stats.items()}
             digests = self.adapter_digests(rollouts[part]) or msgspec.UNSET
             message = Trajectories(metas, stats, self.pool, self.incarnation, digests)
-            self.buffer.send(message, arrays)
-            self.unanswered += 1  # its Ack is read before the next request's reply
+            self.link.hand_in(message, arrays)  # its Ack is read before the next reply
             self.stats["samples_sent"] += len(metas)
 
     def package(

@@ -8,7 +8,8 @@ from test_episodes import ScriptedBackend
 from test_eval_replica import NoNewWeights
 
 from asyncrl.config import load_config
-from asyncrl.generators.worker import LEAVE_TIMEOUT_S, STOP_POLL_S, GeneratorReplica
+from asyncrl.generators.buffer_link import LEAVE_TIMEOUT_S, STOP_POLL_S
+from asyncrl.generators.worker import GeneratorReplica
 from asyncrl.tasks import build_tokenizer
 
 

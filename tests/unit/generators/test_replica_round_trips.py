@@ -80,7 +80,7 @@ def test_samples_work_and_weights_go_out_before_any_answer_is_awaited():
             "read Ack",  # the samples' answer, read only now
             "read WorkGrant",
         ]
-        assert replica.stats["samples_sent"] == 2 and replica.unanswered == 0
+        assert replica.stats["samples_sent"] == 2 and replica.link.unanswered == 0
 
         events.clear()
         replica.send([finished_rollout(replica, 3)], wait_s=60)
