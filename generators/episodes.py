@@ -41,6 +41,8 @@ costs one episode, scored 0 with an error tag and counted in ``stats``:
   ``data.max_prompt_tokens``: ``error:prompt_too_long`` (``prompt_too_long``),
   before any turn is generated.
 
+(How each is scored, counted and logged: :mod:`asyncrl.generators.episode_failures`.)
+
 Each sample of an episode that took a turn carries its counts (``Rollout.episode``:
 turns, tool calls, tool errors) to the buffer, which reports them per batch and per
 eval round. ``stats["tool_s"]`` is the seconds the environment threads spent in
@@ -56,7 +58,6 @@ that fails or hangs scores the episode 0 with the scorer's error tag.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
 from concurrent.futures import Future, wait
@@ -74,8 +75,6 @@ from asyncrl.generators.episode_failures import EPISODE_ERRORS, EpisodeFailures
 from asyncrl.messages import MAX_EPISODE_COUNT, EpisodeCounts, WorkItem
 from asyncrl.rewards import RewardScorer, Score
 from asyncrl.trajectory import ENV_VERSION
-
-log = logging.getLogger("asyncrl.episodes")
 
 ERROR_SCORER = "error:scorer"
 STARTING = "starting"
