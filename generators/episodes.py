@@ -1,5 +1,13 @@
-"""Multi-turn episodes inside a generator replica: the backend makes the model's
-turns, the environment answers them, and the rollout grows as one token sequence.
+"""Every sample of a generator replica is an episode of this driver: the backend makes
+the model's turns, the environment (if any) answers them, and the rollout grows as one
+token sequence.
+
+Without ``environment`` an episode is one model turn: its rollout is the backend's at
+once (the prompt the data loader rendered), and when the turn ends its decoded response
+goes to the replica's :class:`~asyncrl.generation.rewards.RewardScorer` with the work item's
+``extra_info``, every turn ended in the same chunk in one batch. It holds no slot while
+it is scored (it has no environment), and counts in no ``stats``: those are the
+environments'. With ``environment``, an episode is the multi-turn one below.
 
 ::
 
@@ -33,6 +41,8 @@ costs one episode, scored 0 with an error tag and counted in ``stats``:
   ``data.max_prompt_tokens``: ``error:prompt_too_long`` (``prompt_too_long``),
   before any turn is generated.
 
+(How each is scored, counted and logged: :mod:`asyncrl.generators.episode_failures`.)
+
 Each sample of an episode that took a turn carries its counts (``Rollout.episode``:
 turns, tool calls, tool errors) to the buffer, which reports them per batch and per
 eval round. ``stats["tool_s"]`` is the seconds the environment threads spent in
@@ -48,10 +58,9 @@ that fails or hangs scores the episode 0 with the scorer's error tag.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,20 +74,13 @@ from asyncrl.generation.envs.rollout import EpisodeRunner
 from asyncrl.generation.envs.threads import Job, StepPool
 from asyncrl.generation.rewards import RewardScorer, Score
 from asyncrl.generators.backend import Rollout
+from asyncrl.generators.episode_failures import EPISODE_ERRORS, EpisodeFailures
 
-log = logging.getLogger("asyncrl.episodes")
-
-ERROR_ENVIRONMENT = "error:environment"
-ERROR_ENVIRONMENT_TIMEOUT = "error:environment_timeout"
-ERROR_PROMPT_TOO_LONG = "error:prompt_too_long"
 ERROR_SCORER = "error:scorer"
-_EPISODE_ERRORS = (ERROR_ENVIRONMENT, ERROR_ENVIRONMENT_TIMEOUT, ERROR_PROMPT_TOO_LONG)
-"""Errors that end an episode early (counted ``finish_error``); a reward error does not."""
 STARTING = "starting"
 """``finish_reason`` of a rollout whose environment is still being reset: not the backend's."""
 MAX_STUCK_THREADS = 64
 """Abandoned environment threads replaced by new ones; past it, steps that cannot start fail."""
-_LOGGED_PER_TAG = 5
 
 
 def episode_counts(runner: EpisodeRunner | None) -> EpisodeCounts | None:
@@ -106,12 +108,15 @@ def _name(episode: _Episode) -> str:
 @dataclass(eq=False)
 class _Episode:
     rollout: Rollout
+    extra_info: dict[str, Any]
+    """The work item's, for the reward function of a one-turn episode."""
     runner: EpisodeRunner | None = None
     """None until the environment has been made and reset."""
     job: Job | None = None
     """The reset or step running on the pool."""
     scored: Future | None = None
-    """The reward workers' :class:`Score` of the final answer."""
+    """The reward workers' :class:`Score` of the final answer (a one-turn episode's
+    response, or an environment's ``ScoreRequest``)."""
     turn_start: int = 0
     """Index in the rollout's response where the model's current turn began."""
 
@@ -121,31 +126,38 @@ class Episodes:
 
     def __init__(
         self,
-        config: EnvironmentConfig,
+        config: EnvironmentConfig | None,
         tokenizer,
         max_tokens_per_turn: int,
         *,
         scorer: RewardScorer | None = None,
         max_prompt_tokens: int | None = None,
     ):
-        """``scorer``: the replica's reward workers, for episodes that end with a
-        ``ScoreRequest`` (without one, named reward functions run on the environment's
-        thread). ``max_prompt_tokens``: ``data.max_prompt_tokens``, the longest prompt
-        an episode may start from."""
+        """``config``: the environment, None for one-turn episodes. ``scorer``: the
+        replica's reward workers, for one-turn episodes (required) and for episodes that
+        end with a ``ScoreRequest`` (without one, named reward functions run on the
+        environment's thread). ``max_prompt_tokens``: ``data.max_prompt_tokens``, the
+        longest prompt an episode may start from."""
         self.config = config
+        self.one_turn = config is None
+        """No environment: every episode is one model turn, scored by the reward function."""
         self.scorer = scorer
+        self.decode = tokenizer.decode
         self.max_prompt_tokens = max_prompt_tokens
-        self.make_environment = environment_factory(config, defer_score=scorer is not None)
-        self.codec = Codec.from_hf(tokenizer)
-        self.formatter = build_formatter(config.formatter, tokenizer)
         self.max_tokens_per_turn = max_tokens_per_turn
         self.running: dict[int, _Episode] = {}  # id(rollout) -> its episode
         self.stepping: list[_Episode] = []
         self.scoring: list[_Episode] = []
-        self.pool = StepPool(config.workers, max_stuck=MAX_STUCK_THREADS, name="environment")
         self.stats: Counter[str] = Counter()
-        self._stall_logged = False
-        self._logged: dict[str, int] = {}
+        self.pool: StepPool | None = None
+        if config is None:
+            assert scorer is not None, "one-turn episodes are scored by the reward workers"
+        else:
+            self.make_environment = environment_factory(config, defer_score=scorer is not None)
+            self.codec = Codec.from_hf(tokenizer)
+            self.formatter = build_formatter(config.formatter, tokenizer)
+            self.pool = StepPool(config.workers, max_stuck=MAX_STUCK_THREADS, name="environment")
+            self.failures = EpisodeFailures(self.stats, config.step_timeout_s)
 
     @property
     def end_of_turn(self) -> str:
@@ -153,27 +165,30 @@ class Episodes:
         return self.formatter.end_of_turn
 
     def start(self, item: WorkItem, sample_index: int, now: float) -> Rollout:
-        """A rollout for a new episode of ``item``, its environment made and reset on a thread.
+        """A rollout for a new episode of ``item``: the backend's at once for one turn, else
+        its environment made and reset on a thread.
 
-        The rollout is ``finished`` (reason ``"starting"``) until ``collect`` hands
-        it out with the environment's prompt: do not give it to the backend before."""
-        row = {
-            "prompt": item.messages,
-            "data_source": item.data_source,
-            "reward_model": {"ground_truth": item.ground_truth},
-            "extra_info": item.extra_info,
-        }
+        An environment's rollout is ``finished`` (reason ``"starting"``) until ``collect``
+        hands it out with the environment's prompt: do not give it to the backend before."""
         rollout = Rollout(  # the row's prompt as the data loader rendered it, until reset
             item.group_id,
             sample_index,
             list(item.prompt_ids),
             item.ground_truth,
             item.data_source,
-            finish_reason=STARTING,
             started_at=now,
         )
-        episode = _Episode(rollout)
+        episode = _Episode(rollout, item.extra_info)
         self.running[id(rollout)] = episode
+        if self.pool is None:  # one turn: nothing to make or reset
+            return rollout
+        row = {
+            "prompt": item.messages,
+            "data_source": item.data_source,
+            "reward_model": {"ground_truth": item.ground_truth},
+            "extra_info": item.extra_info,
+        }
+        rollout.finish_reason = STARTING
         self.stats["episodes"] += 1
         episode.job = self.pool.submit(self._open, row)
         self.stepping.append(episode)
@@ -181,6 +196,7 @@ class Episodes:
 
     def _open(self, row: dict[str, Any]) -> EpisodeRunner:
         """On a pool thread: a fresh environment, reset from ``row``."""
+        assert self.config is not None
         return EpisodeRunner(
             self.make_environment(),
             row,
@@ -197,17 +213,61 @@ class Episodes:
 
     @property
     def waiting(self) -> int:
-        """Episodes starting, stepping or being scored (they hold a slot, not the backend)."""
-        return len(self.stepping) + len(self.scoring)
+        """Episodes whose environment is starting, stepping or having its final answer
+        scored: they hold a slot, not the backend. A one-turn episode being scored has no
+        environment and holds none."""
+        return len(self.stepping) + (0 if self.one_turn else len(self.scoring))
+
+    @property
+    def unscored(self) -> int:
+        """Episodes over whose reward the reward workers are still computing."""
+        return len(self.scoring)
+
+    def wait_for_scores(self, timeout_s: float) -> None:
+        """Return once every reward asked for is in, or after ``timeout_s``."""
+        wait([episode.scored for episode in self.scoring], timeout=timeout_s)
+
+    def end_turns(self, rollouts: list[Rollout]) -> None:
+        """The backend ended ``rollouts``' turns: a one-turn episode's response goes to the
+        reward workers (all of them in one batch, not a round trip each), an environment's
+        episode steps on the pool."""
+        if self.one_turn:
+            self._score_responses([self.running[id(rollout)] for rollout in rollouts])
+            return
+        for rollout in rollouts:
+            self.end_turn(rollout)
+
+    def _score_responses(self, episodes: list[_Episode]) -> None:
+        """Ask the reward workers for the scores of one-turn episodes' decoded responses."""
+        if not episodes:
+            return
+        assert self.scorer is not None
+        samples = [
+            (
+                episode.rollout.data_source,
+                self.decode(episode.rollout.response_ids, skip_special_tokens=True),
+                episode.rollout.ground_truth,
+                episode.extra_info,
+            )
+            for episode in episodes
+        ]
+        for episode, scored in zip(episodes, self.scorer.submit_many(samples), strict=True):
+            episode.scored = scored
+        self.scoring += episodes
 
     def end_turn(self, rollout: Rollout) -> None:
-        """The backend ended ``rollout``'s turn: step its environment on the pool.
+        """The backend ended ``rollout``'s turn: step its environment on the pool (or, for
+        one turn, score it: :meth:`end_turns`).
 
         A rollout still starting is left alone (``collect`` hands it out)."""
         if rollout.finish_reason == STARTING:
             return
+        if self.one_turn:
+            self.end_turns([rollout])
+            return
         episode = self.running[id(rollout)]
         assert episode.runner is not None and episode.job is None, "not the model's turn"
+        assert self.pool is not None
         start = episode.turn_start
         episode.job = self.pool.submit(
             episode.runner.submit,
@@ -219,13 +279,33 @@ class Episodes:
         self.stepping.append(episode)
 
     def collect(self) -> tuple[list[Rollout], list[tuple[Rollout, Score]]]:
-        """Episodes whose environment has answered: ``(continuing, finished with scores)``.
+        """Episodes whose environment or reward has answered: ``(continuing, finished with
+        scores)``, the finished ones in the order they were asked to be scored.
 
         A continuing rollout has the environment's reply (or, new, its prompt)
         and is ready for the backend again; a finished one carries the episode's
         reward. Steps past ``environment.step_timeout_s`` end their episodes here."""
         continuing: list[Rollout] = []
         finished: list[tuple[Rollout, Score]] = []
+        if self.pool is not None:
+            self._collect_steps(continuing, finished)
+        scoring, self.scoring = self.scoring, []
+        for episode in scoring:
+            assert episode.scored is not None
+            if not episode.scored.done():
+                self.scoring.append(episode)
+                continue
+            finished.append(self._scored(episode))
+        if self.pool is not None:
+            self.stats["stuck_threads"] = self.pool.stuck
+            self.stats["tool_s"] = self.pool.busy_s  # beside the replica's busy_s (generating)
+        return continuing, finished
+
+    def _collect_steps(
+        self, continuing: list[Rollout], finished: list[tuple[Rollout, Score]]
+    ) -> None:
+        """The resets and steps that returned, or ran past ``environment.step_timeout_s``."""
+        assert self.pool is not None and self.config is not None
         now = time.monotonic()
         stalled = self.pool.stalled
         stepping, self.stepping = self.stepping, []
@@ -244,16 +324,6 @@ class Episodes:
                     continue
             episode.job = None
             self._answered(episode, job, continuing, finished)
-        scoring, self.scoring = self.scoring, []
-        for episode in scoring:
-            assert episode.scored is not None
-            if not episode.scored.done():
-                self.scoring.append(episode)
-                continue
-            finished.append(self._scored(episode))
-        self.stats["stuck_threads"] = self.pool.stuck
-        self.stats["tool_s"] = self.pool.busy_s  # beside the replica's busy_s (generating)
-        return continuing, finished
 
     def _answered(
         self,
@@ -266,38 +336,21 @@ class Episodes:
         rollout = episode.rollout
         error = job.future.exception()
         if error is not None:
-            self.stats["env_errors"] += 1
             what = "step" if episode.runner is not None else "reset"
-            self._warn(
-                ERROR_ENVIRONMENT,
-                "%s, scored 0: the environment's %s raised %r",
-                _name(episode),
-                what,
-                error,
-            )
-            detail = f"{type(error).__name__}: {error}"[:500]
-            finished.append(self._close(episode, Score(0.0, ERROR_ENVIRONMENT, detail)))
+            score = self.failures.raised(_name(episode), what, error)
+            finished.append(self._close(episode, score))
             return
         if episode.runner is None:  # reset: the episode's prompt is known
             runner: EpisodeRunner = job.future.result()
             episode.runner = runner
             limit = self.max_prompt_tokens
             if limit is not None and runner.prompt_len > limit:
-                self.stats["prompt_too_long"] += 1
-                self._warn(
-                    ERROR_PROMPT_TOO_LONG,
-                    "%s, scored 0: its prompt (the environment's reset messages, tool "
-                    "listing included, rendered by the %s formatter) has %d tokens, more "
-                    "than data.max_prompt_tokens=%d, so it ends before its first turn. "
-                    "Raise data.max_prompt_tokens or shorten the prompt",
-                    _name(episode),
-                    self.config.formatter,
-                    runner.prompt_len,
-                    limit,
+                formatter = self.config.formatter
+                score = self.failures.prompt_too_long(
+                    _name(episode), formatter, runner.prompt_len, limit
                 )
-                detail = f"{runner.prompt_len} prompt tokens > data.max_prompt_tokens={limit}"
                 rollout.finish_reason = "length"
-                finished.append(self._close(episode, Score(0.0, ERROR_PROMPT_TOO_LONG, detail)))
+                finished.append(self._close(episode, score))
                 return
             rollout.prompt_ids = runner.token_ids
         runner = episode.runner
@@ -316,30 +369,11 @@ class Episodes:
 
     def _time_out(self, episode: _Episode, job: Job, finished: list) -> None:
         """Give up on the episode's reset or step; its thread, if it has one, is abandoned."""
-        self.stats["env_timeouts"] += 1
+        assert self.pool is not None
         what = "step" if episode.runner is not None else "reset"
-        if job.started_at is None:
-            detail = (
-                f"the {what} could not start: {self.pool.stuck} environment threads are stuck "
-                f"past environment.step_timeout_s={self.config.step_timeout_s:g}"
-            )
-        else:
-            self.stats["steps_abandoned"] += 1
-            detail = (
-                f"the {what} ran past environment.step_timeout_s="
-                f"{self.config.step_timeout_s:g}; its thread was abandoned"
-            )
-        self._warn(ERROR_ENVIRONMENT_TIMEOUT, "%s, scored 0: %s", _name(episode), detail)
-        if self.pool.stalled and not self._stall_logged:
-            self._stall_logged = True
-            log.error(
-                "%d environment threads are stuck (environment.step_timeout_s=%g); no more "
-                "are started, so episodes fail until some return. Fix the environment, or "
-                "restart this generator to free them",
-                self.pool.stuck,
-                self.config.step_timeout_s,
-            )
-        finished.append(self._close(episode, Score(0.0, ERROR_ENVIRONMENT_TIMEOUT, detail)))
+        started = job.started_at is not None
+        score = self.failures.timed_out(_name(episode), what, started, self.pool)
+        finished.append(self._close(episode, score))
 
     def _submit_score(self, episode: _Episode, request: ScoreRequest, finished: list) -> None:
         """Send the final answer to the replica's reward workers."""
@@ -359,9 +393,14 @@ class Episodes:
         self.scoring.append(episode)
 
     def _scored(self, episode: _Episode) -> tuple[Rollout, Score]:
-        """The episode's reward: the environment's, plus the reward function's score."""
-        assert episode.scored is not None and episode.runner is not None
+        """The episode's reward: the environment's, plus the reward function's score (for
+        one turn, that score as it is)."""
+        assert episode.scored is not None
         score: Score = episode.scored.result()
+        if self.one_turn:
+            del self.running[id(episode.rollout)]
+            return episode.rollout, score
+        assert episode.runner is not None
         if score.error is None:
             score = Score(episode.runner.reward + score.reward, None)
         return self._close(episode, score)  # a failed score is 0, as for one turn
@@ -382,7 +421,7 @@ class Episodes:
             rollout.finish_reason = "stop"
         runner = episode.runner
         finish = "error"
-        if runner is not None and runner.finish_reason and score.error not in _EPISODE_ERRORS:
+        if runner is not None and runner.finish_reason and score.error not in EPISODE_ERRORS:
             finish = runner.finish_reason
         if runner is not None:  # (an abandoned thread may still be changing it)
             self.stats["turns"] += runner.num_turns
@@ -392,14 +431,7 @@ class Episodes:
         self.stats[f"finish_{finish}"] += 1
         return rollout, score
 
-    def _warn(self, tag: str, message: str, *args: Any) -> None:
-        """Log the first few of each kind of failure; the rest are only counted."""
-        count = self._logged[tag] = self._logged.get(tag, 0) + 1
-        if count <= _LOGGED_PER_TAG:
-            log.warning(message, *args)
-            if count == _LOGGED_PER_TAG:
-                log.warning("further %s failures are counted, not logged", tag)
-
     def close(self) -> None:
         """Cancel queued environment calls; running ones are not waited for."""
-        self.pool.close()
+        if self.pool is not None:
+            self.pool.close()

@@ -31,7 +31,8 @@ model's own ``generation_config.json`` (top_k, repetition_penalty, extra EOS
 ids, ...) out of sampling, as the HF backend does.
 
 Weights. ``load_weights`` hands the state dict to the worker
-(:class:`WeightLoaderExtension`, installed with ``worker_extension_cls``)
+(:class:`~asyncrl.generators.vllm_loading.WeightLoaderExtension`, installed with
+``worker_extension_cls``)
 through ``collective_rpc``: in memory when the worker is in this process, else
 as one safetensors file (in ``/dev/shm`` where there is one). The worker
 reloads it in place with vLLM's ``reload_weights``, which re-runs the
@@ -64,14 +65,11 @@ refuses to (it would while requests run; between chunks none do).
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib
 import itertools
-import json
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -84,6 +82,7 @@ from asyncrl.core.messages import BASE_DIGEST
 from asyncrl.generation import lora
 from asyncrl.generation.models import tied_names
 from asyncrl.generators.backend import Rollout, StopStrings, append_tokens, check_state_dict
+from asyncrl.generators.vllm_loading import export_model, swap_dir, vllm_lora_rank, write_adapter
 from asyncrl.weights.collective.buckets import Spec
 from asyncrl.weights.layout import TORCH_DTYPES
 
@@ -98,61 +97,6 @@ mixes the extension into its worker class for good, and refuses a second
 engine whose different extension repeats a method name: one class for every
 engine, so a replica on any path, or falling back to another, starts.
 """
-
-
-class WeightLoaderExtension:
-    """Mixed into vLLM's worker class (``worker_extension_cls``): in-place weight reloads."""
-
-    def asyncrl_load_tensors(self, weights: dict[str, torch.Tensor]) -> int:
-        """Load ``weights`` (HF names) into the running model; returns how many were given."""
-        # the worker's own reload: layer-wise weight loading plus re-processing
-        self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
-        return len(weights)
-
-    def asyncrl_load_file(self, path: str) -> int:
-        """Load the safetensors file at ``path`` (the worker runs in another process)."""
-        from safetensors.torch import load_file
-
-        return self.asyncrl_load_tensors(load_file(path))
-
-
-def export_model(model: torch.nn.Module, tokenizer, directory: Path) -> Path:
-    """Write ``model`` and ``tokenizer`` where vLLM can load them, embeddings untied."""
-    directory.mkdir(parents=True, exist_ok=True)
-    to_save = model
-    if getattr(model.config, "tie_word_embeddings", False):
-        to_save = copy.deepcopy(model)
-        to_save.config.tie_word_embeddings = False
-        embedding = to_save.get_input_embeddings().weight
-        to_save.get_output_embeddings().weight = torch.nn.Parameter(embedding.detach().clone())
-    to_save.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
-
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The ``max_lora_rank`` values vLLM accepts."""
-
-
-def vllm_lora_rank(rank: int) -> int:
-    """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of ``rank``."""
-    for allowed in VLLM_LORA_RANKS:
-        if rank <= allowed:
-            return allowed
-    raise ValueError(
-        f"model.lora.rank={rank}: vLLM serves LoRA adapters of rank {VLLM_LORA_RANKS[-1]} at "
-        "most; use a lower rank, generators.backend=hf, or model.lora.publish=merged"
-    )
-
-
-def _swap_dir(work_dir: Path) -> Path:
-    """Where weight files pass to the worker: RAM-backed ``/dev/shm`` if present."""
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        return Path(tempfile.mkdtemp(prefix="asyncrl-vllm-", dir=shm))
-    path = work_dir / "swap"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 class VLLMBackend:
@@ -195,7 +139,7 @@ class VLLMBackend:
         if self.in_process:
             engine_kwargs.setdefault("distributed_executor_backend", "uni")
         # where weight files go for a worker in another process
-        self._swap_dir = None if self.in_process else _swap_dir(work_dir or Path(model_dir))
+        self._swap_dir = None if self.in_process else swap_dir(work_dir or Path(model_dir))
         from vllm import LLM
 
         self.tokenizer = tokenizer
@@ -410,17 +354,12 @@ class VLLMBackend:
     def _swap_adapter(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Register ``version``'s adapters as a LoRA of their own, then drop the previous one:
         one resident at a time (see LoRA above)."""
-        from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
         tensors = {name: t.detach().cpu().contiguous() for name, t in state_dict.items()}
         folder = self._adapter_dir / f"v{version}"
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-        save_file(lora.peft_file_names(tensors), folder / "adapter_model.safetensors")
         assert self.adapters is not None
-        settings = lora.adapter_config_json(self.adapters, tensors, self._base)
-        (folder / "adapter_config.json").write_text(json.dumps(settings))
+        write_adapter(folder, tensors, self.adapters, self._base)
         previous = self._adapter
         if previous is not None:  # first: a version reloaded under the same id is fresh
             self.engine.remove_lora(previous.lora_int_id)

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from asyncrl.generators.vllm_backend import WeightLoaderExtension
+from asyncrl.generators.vllm_loading import WeightLoaderExtension
 from asyncrl.weights.checks import NONFINITE, WeightsRefused, nonfinite
 from asyncrl.weights.collective.buckets import (
     VERDICT_INTACT,

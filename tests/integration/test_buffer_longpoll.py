@@ -13,6 +13,7 @@ import functools
 import math
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import zmq
@@ -35,6 +36,7 @@ from asyncrl.core.messages import (
 )
 from asyncrl.core.security import GENERATOR, LEARNER
 from asyncrl.core.transport import RequestClient, client_socket
+from asyncrl.generation.tasks import build_tokenizer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -284,7 +286,10 @@ def replica_for(buffer: RunningBuffer, peers: Peers, generator_id: str = "gen-w"
     context = peers.context(buffer.config, GENERATOR)
     client = RequestClient(context, buffer.endpoint, timeout_s=REPLY_TIMEOUT_S)
     weights = f"tcp://127.0.0.1:{buffer.config.cluster.weights_port}"
-    return GeneratorReplica(buffer.config, generator_id, None, context, "default", client, weights)
+    backend = SimpleNamespace(tokenizer=build_tokenizer())  # its episodes decode with it
+    return GeneratorReplica(
+        buffer.config, generator_id, backend, context, "default", client, weights
+    )
 
 
 def test_an_idle_replica_waits_at_the_buffer_and_gets_work_when_the_learner_admits_it(peers):

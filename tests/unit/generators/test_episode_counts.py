@@ -15,7 +15,8 @@ from asyncrl.config.environment import EnvironmentConfig
 from asyncrl.core.messages import MAX_EPISODE_COUNT, EpisodeCounts
 from asyncrl.generation.envs.threads import StepPool
 from asyncrl.generation.tasks import build_tokenizer
-from asyncrl.generators.episodes import ERROR_ENVIRONMENT, Episodes, episode_counts
+from asyncrl.generators.episode_failures import ERROR_ENVIRONMENT
+from asyncrl.generators.episodes import Episodes, episode_counts
 
 STEP_S = 0.05
 

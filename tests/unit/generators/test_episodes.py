@@ -19,12 +19,12 @@ from asyncrl.generation.models import build_policy
 from asyncrl.generation.rewards import ERROR_EXCEPTION, ERROR_TIMEOUT, RewardScorer, Score
 from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.generators.backend import Rollout, StopStrings, append_tokens
-from asyncrl.generators.episodes import (
+from asyncrl.generators.episode_failures import (
     ERROR_ENVIRONMENT,
     ERROR_ENVIRONMENT_TIMEOUT,
     ERROR_PROMPT_TOO_LONG,
-    Episodes,
 )
+from asyncrl.generators.episodes import Episodes
 from asyncrl.generators.hf_backend import HFBackend
 
 

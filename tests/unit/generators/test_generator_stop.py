@@ -9,7 +9,8 @@ from test_eval_replica import NoNewWeights
 
 from asyncrl.config import load_config
 from asyncrl.generation.tasks import build_tokenizer
-from asyncrl.generators.worker import LEAVE_TIMEOUT_S, STOP_POLL_S, GeneratorReplica
+from asyncrl.generators.buffer_link import LEAVE_TIMEOUT_S, STOP_POLL_S
+from asyncrl.generators.worker import GeneratorReplica
 
 
 class DeadBuffer:

@@ -69,8 +69,8 @@ def test_samples_work_and_weights_go_out_before_any_answer_is_awaited():
     replica.weights.socket.close(linger=0)
     replica.weights = RecordingWeights(events)
     try:
-        replica.send([finished_rollout(0), finished_rollout(1)], wait_s=60)
-        replica.active = [finished_rollout(2)]  # still generating: the request is not held
+        replica.send([finished_rollout(replica, 0), finished_rollout(replica, 1)], wait_s=60)
+        replica.active = [finished_rollout(replica, 2)]  # still generating: the request is not held
         grant = replica.ask_for_work(room=4)
         assert isinstance(grant, WorkGrant) and replica.weights_checked
         assert events == [
@@ -80,10 +80,10 @@ def test_samples_work_and_weights_go_out_before_any_answer_is_awaited():
             "read Ack",  # the samples' answer, read only now
             "read WorkGrant",
         ]
-        assert replica.stats["samples_sent"] == 2 and replica.unanswered == 0
+        assert replica.stats["samples_sent"] == 2 and replica.link.unanswered == 0
 
         events.clear()
-        replica.send([finished_rollout(3)], wait_s=60)
+        replica.send([finished_rollout(replica, 3)], wait_s=60)
         replica.close()  # Leave: the Ack still owed is read on the way
         assert events == ["send Trajectories", "send Leave", "read Ack", "read Ack"]
     finally:

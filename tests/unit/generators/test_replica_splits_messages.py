@@ -18,7 +18,7 @@ from asyncrl.core.message_limits import (
     buffer_frame_limit,
     sample_bytes,
 )
-from asyncrl.core.messages import Ack, Trajectories, encode
+from asyncrl.core.messages import Ack, Trajectories, WorkItem, encode
 from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.generators.backend import Rollout
 from asyncrl.generators.worker import GeneratorReplica
@@ -55,19 +55,17 @@ class FixedBackend:
     last_load_s = 0.0
 
 
-def finished_rollout(group_id: int) -> Rollout:
-    return Rollout(
-        group_id,
-        0,
-        [1] * PROMPT_LEN,
-        "234",
-        "synthetic/digits",
-        response_ids=[5] * RESPONSE_LEN,
-        logprobs=[-0.5] * RESPONSE_LEN,
-        token_versions=[0] * RESPONSE_LEN,
-        loss_mask=[1] * RESPONSE_LEN,
-        finish_reason="length",
-    )
+def finished_rollout(replica: GeneratorReplica, group_id: int) -> Rollout:
+    """Group ``group_id``'s one sample as the backend finished it: a one-turn episode the
+    replica started, its turn ended at the token limit."""
+    item = WorkItem(group_id, 1, [1] * PROMPT_LEN, "234", "synthetic/digits")
+    rollout = replica.episodes.start(item, 0, now=0.0)
+    rollout.response_ids = [5] * RESPONSE_LEN
+    rollout.logprobs = [-0.5] * RESPONSE_LEN
+    rollout.token_versions = [0] * RESPONSE_LEN
+    rollout.loss_mask = [1] * RESPONSE_LEN
+    rollout.finish_reason = "length"
+    return rollout
 
 
 def test_many_long_samples_go_in_several_messages_each_within_the_frame_cap():
@@ -80,7 +78,8 @@ def test_many_long_samples_go_in_several_messages_each_within_the_frame_cap():
     replica.weights.socket.close(linger=0)  # never asked: no weights in this test
     replica.weights = NoNewWeights()
     try:
-        replica.send([finished_rollout(group_id) for group_id in range(SAMPLES)], wait_s=60)
+        finished = [finished_rollout(replica, group_id) for group_id in range(SAMPLES)]
+        replica.send(finished, wait_s=60)
     finally:
         replica.close()
         context.term()
