@@ -10,9 +10,10 @@ masked positions, so a NaN there never reaches an ``exp`` or a gradient):
 - ``advantages`` [B, T], ``weight`` [B, T] (the behavior weight w), both detached;
 - ``mask`` [B, T] bool;
 
-plus the knobs its entry names (each with ``algorithm``'s default), and returns a :class:`Surrogate`: per-token losses that
-the caller aggregates (a sequence-level loss puts its sequence's value on each of its
-tokens, so ``seq-mean-token-mean`` averages it once per sequence, as verl does).
+plus the knobs its entry names (each defaulting as in ``algorithm``), and returns a
+:class:`Surrogate`: per-token losses that the caller aggregates (a sequence-level loss
+puts its sequence's value on each of its tokens, so ``seq-mean-token-mean`` averages it
+once per sequence, as verl does).
 """
 
 from __future__ import annotations
