@@ -40,29 +40,24 @@ def policy_loss(
     behavior_logprobs [B, T] (pi_b, as the generator recorded them),
     advantages [B, T] ([B] is broadcast), mask [B, T].
 
-    The generator's tokens come from pi_b, which may be several versions old
-    (and is numerically a different engine), so the loss weights each token
-    by ``w = correction(pi_prox / pi_b) / weight_scale`` (detached; see
-    :func:`behavior_weights` for ``correction``, ``correction_level``,
-    ``correction_cap`` and ``correction_floor``). ``weight_scale`` is the
-    batch normaliser the caller computed over the whole batch (the mean w).
+    The generator's tokens come from pi_b, which may be several versions old (and is
+    numerically a different engine), so the loss weights each token by ``w =
+    correction(pi_prox / pi_b) / weight_scale`` (detached; :func:`behavior_weights`
+    reads the ``correction*`` knobs); ``weight_scale`` is the batch's mean w, or 1.
 
     ``loss`` picks the surrogate (:data:`~.registry.POLICY_LOSSES`, :mod:`.surrogates`);
-    ``knobs`` are surrogate knobs by their ``algorithm`` keys (``clip_low``,
-    ``clip_high``, ``clip_c``, ``sapo_tau_pos``, ``sapo_tau_neg``; the entry's
-    :meth:`~.registry.PolicyLoss.knobs_of` gives a loss's own): each surrogate takes its
-    own and ignores the rest, except ``clip_c``, which is an error where it does not
-    apply. See :func:`aggregate` for ``aggregation`` and the global normalizers: the
-    configured one applies to every surrogate (verl forces seq-mean-token-mean for gspo
-    and sapo, and a per-sequence mean for gmpo; choose it to match).
+    ``knobs`` are surrogate knobs by their ``algorithm`` keys (``clip_low``, ``clip_high``,
+    ``clip_c``, ``sapo_tau_pos``, ``sapo_tau_neg``; :meth:`~.registry.PolicyLoss.knobs_of`
+    reads a loss's own from the section): each surrogate takes its own and ignores the
+    rest, except ``clip_c``, an error where it does not apply. :func:`aggregate` applies
+    ``aggregation`` with the global normalizers to every surrogate (verl forces
+    seq-mean-token-mean for gspo and sapo, a per-sequence mean for gmpo: match it).
 
-    Stats (detached, over this call's valid tokens): ``clip_frac`` (the clip
-    removed the gradient; cispo: truncated the weight; 0 for sapo and
-    reinforce), ``dual_clip_frac``, ``importance_weight_mean`` and
-    ``importance_weight_max`` (rho before correction, at the chosen level),
-    ``importance_truncated_frac``, ``importance_applied_mean`` (mean w, after
-    ``weight_scale``), and the others of :func:`behavior_weights`, ``ppo_kl``
-    (k3 estimate of KL(pi_prox || pi_theta)).
+    Stats (detached, over this call's valid tokens): ``clip_frac`` (the clip removed the
+    gradient; cispo: truncated the weight; 0 for sapo and reinforce), ``dual_clip_frac``,
+    ``ppo_kl`` (k3 estimate of KL(pi_prox || pi_theta)), and :func:`behavior_weights`'
+    ``importance_*`` (rho before correction at the chosen level; ``importance_applied_mean``
+    after ``weight_scale``).
     """
     surrogate = POLICY_LOSSES[loss]
     own = _own_knobs(surrogate, knobs)
@@ -73,19 +68,16 @@ def policy_loss(
     advantages = torch.where(mask, advantages.float().detach().expand_as(zeros), zeros)
     log_ratio = torch.where(mask, logprobs.float() - proximal_logprobs.float().detach(), zeros)
 
-    weight, correction_stats = behavior_weights(
+    weight, correction_stats = _scaled_behavior_weights(
         proximal_logprobs,
         behavior_logprobs,
         mask,
+        weight_scale,
         correction=correction,
         level=correction_level,
         cap=correction_cap,
         floor=correction_floor,
     )
-    if isinstance(weight_scale, Tensor) or weight_scale != 1.0:
-        weight = weight / weight_scale
-        correction_stats["importance_applied_mean"] = masked_mean(weight, mask)
-
     result = surrogate.fn(
         logprobs=torch.where(mask, logprobs.float(), zeros),
         log_ratio=log_ratio,
@@ -103,6 +95,21 @@ def policy_loss(
         norm_length=norm_length,
     )
     return value, _stats(result, log_ratio, mask) | correction_stats
+
+
+def _scaled_behavior_weights(
+    proximal_logprobs: Tensor,
+    behavior_logprobs: Tensor,
+    mask: Tensor,
+    weight_scale: float | Tensor,
+    **correction: str | float | None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`behavior_weights` divided by the batch's ``weight_scale``, and their stats."""
+    weight, stats = behavior_weights(proximal_logprobs, behavior_logprobs, mask, **correction)
+    if isinstance(weight_scale, Tensor) or weight_scale != 1.0:
+        weight = weight / weight_scale
+        stats["importance_applied_mean"] = masked_mean(weight, mask)
+    return weight, stats
 
 
 def _own_knobs(surrogate: PolicyLoss, knobs: dict[str, float | None]) -> dict[str, float | None]:
