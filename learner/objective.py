@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from asyncrl.config import AlgorithmConfig
+from asyncrl.config import AlgorithmConfig, CriticConfig
 from asyncrl.learner.algorithms import (
     CORRECTIONS,
     POLICY_LOSSES,
@@ -132,10 +132,14 @@ class Objective:
             "correction": algorithm.correction,
             **CORRECTIONS[algorithm.correction].knobs_of(algorithm),
         }
+        """:func:`~asyncrl.learner.algorithms.policy_loss`'s knobs: the surrogate's and the
+        correction's, each read from the section by its registry entry."""
         self.aggregation = algorithm.aggregation
         self.correction_cap = algorithm.correction_cap
-        self.value_clip = getattr(algorithm, "value_clip", None)
-        self.value_coef = getattr(algorithm, "value_coef", 0.0)
+        self.value_clip: float | None = None
+        self.value_coef = 0.0
+        if isinstance(algorithm, CriticConfig):  # an estimator that trains a value head
+            self.value_clip, self.value_coef = algorithm.value_clip, algorithm.value_coef
         self.kl_estimator = algorithm.kl_estimator
         self.kl_coef = algorithm.kl_coef
         self.kl_in_loss = needs_of(algorithm).kl_in_loss

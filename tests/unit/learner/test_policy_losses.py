@@ -78,6 +78,12 @@ def test_an_unknown_loss_is_refused_naming_the_known_ones():
         policy_loss(logprobs, proximal, behavior, advantages, mask, loss="grpo")
 
 
+def test_a_knob_no_loss_reads_is_refused_by_name():
+    logprobs, proximal, behavior, advantages, mask = _inputs()
+    with pytest.raises(TypeError, match="clip_lo"):
+        policy_loss(logprobs, proximal, behavior, advantages, mask, clip_lo=0.1)
+
+
 @pytest.mark.parametrize("loss", ["gspo", "cispo", "sapo", "gmpo", "reinforce"])
 def test_the_dual_clip_is_refused_by_the_losses_without_one(loss):
     logprobs, proximal, behavior, advantages, mask = _inputs()
