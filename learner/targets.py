@@ -2,10 +2,11 @@
 
 Group baselines need whole groups and whitening the whole batch, and the whole-batch
 corrections (:mod:`.batch_correction`) look at every token at once, so this runs once per
-step, on the CPU where the batch lives: the corrections trim the loss mask, the KL to the
-reference goes into the rewards when ``kl_in: reward``, and the configured estimator turns
-the rewards into advantages. Of the pre-pass's results it copies to the CPU only what it
-reads, once per step; the micro-steps read them where they are.
+step, where the batch lives (the learner's device, where :func:`~.batch.collate` puts it):
+the corrections trim the loss mask, the KL to the reference goes into the rewards when
+``kl_in: reward``, and the configured estimator turns the rewards into advantages. The
+pre-pass's results are read where they are; a batch held elsewhere gets a copy of the
+ones it needs, once per step.
 """
 
 from __future__ import annotations
@@ -59,12 +60,13 @@ def batch_targets(
         "reference": needs.kl_in_reward,
         "values": needs.values,
     }
-    cpu = {name: pre[name].cpu() for name, used in wanted.items() if used}
+    device = batch.loss_mask.device
+    here = {name: pre[name].to(device) for name, used in wanted.items() if used}
     metrics: dict[str, float] = {}
     weight_scale = 1.0
     if algorithm.needs_proximal_pass:  # rejected tokens leave the loss and its counts
         correction = correct_batch(
-            algorithm, cpu["proximal"], batch.behavior_logprobs, batch.loss_mask
+            algorithm, here["proximal"], batch.behavior_logprobs, batch.loss_mask
         )
         batch = replace(batch, loss_mask=correction.loss_mask)
         weight_scale = correction.weight_scale
@@ -72,7 +74,7 @@ def batch_targets(
 
     kl_reward = None
     if needs.kl_in_reward:
-        kl_reward = kl_estimate(cpu["proximal"], cpu["reference"], algorithm.kl_estimator)
+        kl_reward = kl_estimate(here["proximal"], here["reference"], algorithm.kl_estimator)
     token_rewards = None
     if needs.token_rewards:
         token_rewards = token_level_rewards(
@@ -87,7 +89,7 @@ def batch_targets(
         rewards=batch.rewards,
         group_ids=batch.group_ids,
         mask=batch.loss_mask,
-        values=cpu.get("values"),
+        values=here.get("values"),
         token_rewards=token_rewards,
         **ADVANTAGES[algorithm.advantage].knobs_of(algorithm),
     )
