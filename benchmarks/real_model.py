@@ -236,7 +236,8 @@ def learner_logprobs(learner, batch) -> torch.Tensor:
         lengths, learner.ranks.world_size, config.max_tokens_per_microbatch, 1
     )
     parts = [rows for plan in plans for rows in plan[learner.ranks.rank]]
-    return learner.update._pre_pass(batch, parts, lengths, needs_proximal=True)["proximal"]
+    pre = learner.update._pre_pass(batch, parts, lengths, needs_proximal=True)
+    return pre["proximal"].cpu()  # the pre-pass keeps it on the learner's device
 
 
 def timed_optimizer(optimizer) -> list[float]:

@@ -145,33 +145,8 @@ def packed_input(
         end = first.get(row, length - 1) + 1  # the context: tokens [0, end)
         groups.setdefault(tuple(tokens[row][:end]), []).append(row)
 
-    # each packed sequence as flat lists: where its tokens come from, their positions in
-    # their own rows, and their segment (0: the context, k: the k-th row's own tokens)
-    source_rows: list[list[int]] = []
-    source_cols: list[list[int]] = []
-    segments: list[list[int]] = []
-    row_sequence = [0] * len(lengths)
-    row_offset = [0] * len(lengths)  # where a row's own tokens start in its sequence
-    row_shared = [0] * len(lengths)
-    for context, members in groups.items():
-        shared = len(context)
-        sequence = None
-        for row in members:
-            tail = lengths[row] - shared
-            if sequence is None or len(source_cols[sequence]) + tail > limit:
-                sequence = len(source_cols)
-                source_rows.append([row] * shared)
-                source_cols.append(list(range(shared)))
-                segments.append([0] * shared)
-            row_sequence[row], row_offset[row], row_shared[row] = (
-                sequence,
-                len(source_cols[sequence]),
-                shared,
-            )
-            source_rows[sequence] += [row] * tail
-            source_cols[sequence] += range(shared, lengths[row])
-            segments[sequence] += [segments[sequence][-1] + 1] * tail  # a segment of its own
-
+    packing = _Packing.of(groups, lengths, limit)
+    source_rows, source_cols, segments = packing.rows, packing.cols, packing.segments
     count = len(source_cols)
     length = max(len(columns) for columns in source_cols)
     segment = torch.full((count, length), -1, dtype=torch.long)  # -1 padding
@@ -183,11 +158,69 @@ def packed_input(
         positions[sequence, :n] = torch.tensor(columns)
         ids[sequence, :n] = input_ids[torch.tensor(source_rows[sequence]), positions[sequence, :n]]
     # the flat position of the hidden state that predicts each trained token
-    sequence_of = torch.tensor(row_sequence)[rows]
-    shared_of = torch.tensor(row_shared)[rows]
-    own = torch.tensor(row_offset)[rows] + cols - shared_of  # in the row's own tokens
+    sequence_of = torch.tensor(packing.row_sequence)[rows]
+    shared_of = torch.tensor(packing.row_shared)[rows]
+    own = torch.tensor(packing.row_offset)[rows] + cols - shared_of  # in the row's own tokens
     source = sequence_of * length + torch.where(cols < shared_of, cols, own)
+    return ModelInput(
+        input_ids=ids.to(device),
+        attention_mask=_segment_attention(segment, mask_dtype).to(device),
+        position_ids=positions.to(device),
+        source=source.to(device),
+        rows=rows.to(device),
+        cols=cols.to(device),
+        targets=input_ids[rows, cols + 1].to(device),
+        shape=(len(lengths), part.width - 1),
+    )
 
+
+@dataclass
+class _Packing:
+    """Each packed sequence as flat lists: where its tokens come from (``rows``, ``cols``:
+    their positions in their own rows) and their segment (0: the context, k: the k-th
+    row's own tokens); and per row, its sequence, where its own tokens start there, and
+    the length of the context it shares."""
+
+    rows: list[list[int]]
+    cols: list[list[int]]
+    segments: list[list[int]]
+    row_sequence: list[int]
+    row_offset: list[int]
+    row_shared: list[int]
+
+    @classmethod
+    def of(
+        cls, groups: dict[tuple[int, ...], list[int]], lengths: list[int], limit: int
+    ) -> _Packing:
+        """Pack each group's rows after its context, a new sequence (with its own copy of
+        the context) whenever the next row would pass ``limit``."""
+        n = len(lengths)
+        packing = cls([], [], [], [0] * n, [0] * n, [0] * n)
+        for context, members in groups.items():
+            shared = len(context)
+            sequence = None
+            for row in members:
+                tail = lengths[row] - shared
+                if sequence is None or len(packing.cols[sequence]) + tail > limit:
+                    sequence = len(packing.cols)
+                    packing.rows.append([row] * shared)
+                    packing.cols.append(list(range(shared)))
+                    packing.segments.append([0] * shared)
+                packing.row_sequence[row] = sequence
+                packing.row_offset[row] = len(packing.cols[sequence])
+                packing.row_shared[row] = shared
+                packing.rows[sequence] += [row] * tail
+                packing.cols[sequence] += range(shared, lengths[row])
+                own_segment = packing.segments[sequence][-1] + 1  # a segment of its own
+                packing.segments[sequence] += [own_segment] * tail
+        return packing
+
+
+def _segment_attention(segment: Tensor, mask_dtype: torch.dtype) -> Tensor:
+    """[S, 1, L, L] who may see whom in packed sequences of ``segment`` [S, L] (-1:
+    padding): causally, the context and the own segment; as booleans or, for a float
+    ``mask_dtype``, 0 or its lowest value (added to the scores)."""
+    length = segment.shape[1]
     query = torch.arange(length)
     causal = query[:, None] >= query[None, :]  # [L, L]
     sees = (segment[:, None, :] == 0) | (segment[:, :, None] == segment[:, None, :])
@@ -197,16 +230,7 @@ def packed_input(
     if mask_dtype != torch.bool:
         lowest = torch.finfo(mask_dtype).min
         mask = torch.zeros(mask.shape, dtype=mask_dtype).masked_fill(~mask, lowest)
-    return ModelInput(
-        input_ids=ids.to(device),
-        attention_mask=mask.to(device),
-        position_ids=positions.to(device),
-        source=source.to(device),
-        rows=rows.to(device),
-        cols=cols.to(device),
-        targets=input_ids[rows, cols + 1].to(device),
-        shape=(len(lengths), part.width - 1),
-    )
+    return mask
 
 
 def token_outputs(

@@ -2,12 +2,16 @@
 
 ::
 
+    pre-pass    no-grad forward where needed (:meth:`Update.proximal_logprobs`): proximal
+                log-probs (several updates per batch, or KL in the reward), reference
+                log-probs (KL), values (PPO critic); they stay on the learner's device
     plan        split into mini-batches (one per optimizer update), deal each to ranks
                 and token-bounded micro-batches (the same plan on every rank)
-    pre-pass    no-grad forward where needed: proximal log-probs (several updates per
-                batch, or KL in the reward), reference log-probs (KL), values (PPO critic)
-    advantages  on the whole batch (group baselines need whole groups)
-    updates     per mini-batch: forward/backward each micro-batch, accumulate, clip, step
+    targets     on the whole batch (:mod:`.targets`): corrections, KL in the reward,
+                advantages (group baselines need whole groups)
+    micro-steps per mini-batch: forward/backward each micro-batch through the
+                :class:`~.objective.Objective`, accumulating the gradients
+    optimizer   clip, step (or skip a non-finite update)
 
 Losses are normalised by counts over the whole mini-batch on all ranks (see
 :func:`~asyncrl.learner.algorithms.aggregate`), so the sum over micro-batches
@@ -26,7 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -35,32 +39,29 @@ from torch import nn
 from asyncrl.config import Config
 from asyncrl.core.reductions import Reduction, Stat
 from asyncrl.learner import microbatch
-from asyncrl.learner.algorithms import (
-    ADVANTAGES,
-    AGGREGATIONS,
-    aggregate,
-    batch_kl,
-    compute_advantages,
-    kl_estimate,
-    make_kl_controller,
-    needs_of,
-    off_policy_metrics,
-    policy_loss,
-    token_level_rewards,
-    value_loss,
-)
-from asyncrl.learner.algorithms.corrections import PEAK_STATS
-from asyncrl.learner.algorithms.off_policy import SEQUENCE_MEAN_KEYS
+from asyncrl.learner.algorithms import AGGREGATIONS, make_kl_controller, needs_of
 from asyncrl.learner.batch import TrainBatch
-from asyncrl.learner.batch_correction import BatchCorrection, correct_batch
 from asyncrl.learner.distributed import Ranks
-from asyncrl.learner.packing import Layout, token_outputs
+from asyncrl.learner.objective import Normalizers, Objective, Tokens
+from asyncrl.learner.packing import Layout, TokenOutputs, token_outputs
 from asyncrl.learner.reference import Reference
+from asyncrl.learner.targets import Targets, batch_targets
 
 SKIP_WARNING_EVERY_S = 60.0
 """At most one warning per this many seconds about skipped non-finite updates."""
 
 log = logging.getLogger("asyncrl.learner")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A step's split of the batch: sequence lengths, the mini-batch plans (the same on
+    every rank), and this rank's part of them."""
+
+    lengths: list[int]
+    plans: list[microbatch.Plan]
+    mine: list[list[list[int]]]
+    """``mine[update][micro_batch]`` -> rows."""
 
 
 class Update:
@@ -86,6 +87,8 @@ class Update:
         """How each micro-batch meets the model: packed with shared prompts, or padded."""
         self.temperature = config.generators.temperature
         algorithm = config.algorithm
+        self.objective = Objective(algorithm)
+        """The loss of a micro-batch, term by term, as the algorithm section configures it."""
         self.kl_control = make_kl_controller(
             algorithm.kl_controller,
             kl_coef=algorithm.kl_coef,
@@ -101,11 +104,8 @@ class Update:
         self._warned_at = -math.inf
         self._unwarned = 0
 
-    def _plan(
-        self, batch: TrainBatch
-    ) -> tuple[list[int], list[microbatch.Plan], list[list[list[int]]]]:
-        """Sequence lengths, the mini-batch plans (the same on every rank), and this rank's
-        part of them: ``mine[update][micro_batch]`` -> rows."""
+    def _plan(self, batch: TrainBatch) -> StepPlan:
+        """The mini-batch plans (the same on every rank) and this rank's part of them."""
         learner = self.config.learner
         lengths = batch.attention_mask.sum(1).tolist()
         plans = microbatch.minibatch_plans(
@@ -115,106 +115,104 @@ class Update:
             learner.minibatches,
         )
         mine = [plan[self.ranks.rank] for plan in plans]  # [update][micro_batch] -> rows
-        return lengths, plans, mine
+        return StepPlan(lengths, plans, mine)
 
     def proximal_logprobs(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
         """The pre-pass: what the update needs of the weights before this batch changes
-        them, as full-batch [B, L-1] tensors (no grad). ``proximal``, their log-probs,
-        where the first update's own would not do (several updates per batch unless
-        bypassed, KL in the reward, or a whole-batch correction); ``reference`` (KL) and
-        ``values`` (PPO critic) from the same forward passes; ``{}`` when nothing is
-        needed."""
+        them, as full-batch [B, L-1] tensors (no grad) on the learner's device.
+        ``proximal``, their log-probs, where the first update's own would not do (several
+        updates per batch unless bypassed, KL in the reward, or a whole-batch correction);
+        ``reference`` (KL) and ``values`` (PPO critic) from the same forward passes;
+        ``{}`` when nothing is needed."""
         learner, algorithm = self.config.learner, self.algorithm
-        lengths, _, mine = self._plan(batch)
+        plan = self._plan(batch)
         needs_proximal = (
             (learner.minibatches > 1 and not algorithm.bypass)
             or self.needs.kl_in_reward
             or algorithm.needs_proximal_pass
         )
         return self._pre_pass(
-            batch, [m for update in mine for m in update], lengths, needs_proximal
+            batch, [m for update in plan.mine for m in update], plan.lengths, needs_proximal
         )
 
     def step(
         self, batch: TrainBatch, pre: dict[str, torch.Tensor], version: int
     ) -> dict[str, float]:
         """Train on ``batch`` (policy ``version``), given its :meth:`proximal_logprobs`."""
-        algorithm, learner = self.algorithm, self.config.learner
-        lengths, plans, mine = self._plan(batch)
-        extra: dict[str, float] = {}
-
-        correction = BatchCorrection(batch.loss_mask)
-        if algorithm.needs_proximal_pass:  # rejected tokens leave the loss and its counts
-            correction = correct_batch(
-                algorithm, pre["proximal"], batch.behavior_logprobs, batch.loss_mask
-            )
-            batch = replace(batch, loss_mask=correction.loss_mask)
-            extra |= correction.metrics
-
-        kl_reward = None
-        if self.needs.kl_in_reward:
-            kl_reward = kl_estimate(pre["proximal"], pre["reference"], algorithm.kl_estimator)
-        token_rewards = None
-        if self.needs.token_rewards:
-            token_rewards = token_level_rewards(
-                batch.rewards, batch.loss_mask, kl=kl_reward, kl_coef=self.kl_control.value
-            )
-        if kl_reward is not None:
-            current = batch_kl(kl_reward, batch.loss_mask)
-            extra |= {"kl_reward": current, "kl_coef": self.kl_control.value}
-            self.kl_control.update(current, n_samples=batch.num_samples)
-        advantages, returns = compute_advantages(
-            algorithm.advantage,
-            rewards=batch.rewards,
-            group_ids=batch.group_ids,
-            mask=batch.loss_mask,
-            values=pre.get("values"),
-            token_rewards=token_rewards,
-            **ADVANTAGES[algorithm.advantage].knobs_of(algorithm),
-        )
-
+        plan = self._plan(batch)
+        targets = batch_targets(self.algorithm, self.needs, self.kl_control, batch, pre)
         reduction = Reduction()
         self.positions = 0
-        for number, (plan, update) in enumerate(zip(plans, mine, strict=True)):
-            everyone = torch.tensor([i for rank in plan for rows in rank for i in rows])
-            normalizers = {
-                "num_tokens": batch.loss_mask[everyone].sum().item(),
-                "num_sequences": self._sequences(batch.loss_mask[everyone]),
-                "norm_length": self.config.generators.max_new_tokens,
-            }
+        for number in range(len(plan.plans)):  # one optimizer update per mini-batch
+            loss = self._micro_steps(targets, pre, plan, number, version, reduction)
+            self._optimizer_step(loss, reduction, version, number, len(plan.plans))
+        return self._metrics(reduction, targets, plan)
+
+    def _micro_steps(
+        self,
+        targets: Targets,
+        pre: dict[str, torch.Tensor],
+        plan: StepPlan,
+        number: int,
+        version: int,
+        reduction: Reduction,
+    ) -> float:
+        """Accumulate mini-batch ``number``'s gradients over this rank's micro-batches;
+        returns this rank's share of the mini-batch's objective."""
+        self.optimizer.zero_grad(set_to_none=True)
+        normalizers = self._normalizers(targets.batch.loss_mask, plan.plans[number])
+        parts = microbatch.micro_batches(plan.mine[number], plan.lengths)
+        loss = 0.0
+        for index, part in enumerate(parts):
+            self.model.set_requires_gradient_sync(index == len(parts) - 1)
+            stats, part_loss = self._micro_step(targets, pre, part, normalizers, version)
+            loss += part_loss
+            reduction.update(stats)
+        return loss
+
+    def _optimizer_step(
+        self, loss: float, reduction: Reduction, version: int, number: int, count: int
+    ) -> None:
+        """Clip the gradients and step, unless the mini-batch's loss (summed over ranks) or
+        the global gradient norm is not finite: then drop the gradients instead."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.config.learner.grad_clip
+        )
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        norm = grad_norm.item()  # the global norm: the same on every rank
+        reduction.add("learner_grad_norm", Stat.mean(norm, 1.0))
+        loss = self._summed_over_ranks(loss)
+        if math.isfinite(loss) and math.isfinite(norm):
+            self.optimizer.step()
+        else:  # a NaN or inf would reach the weights and the optimizer state
             self.optimizer.zero_grad(set_to_none=True)
-            parts = microbatch.micro_batches(update, lengths)
-            loss = 0.0  # this rank's share of the mini-batch's objective
-            for index, part in enumerate(parts):
-                self.model.set_requires_gradient_sync(index == len(parts) - 1)
-                stats, part_loss = self._micro_step(
-                    batch, part, advantages, returns, pre, normalizers, version, correction
-                )
-                loss += part_loss
-                reduction.update(stats)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), learner.grad_clip)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
-            norm = grad_norm.item()  # the global norm: the same on every rank
-            reduction.add("learner_grad_norm", Stat.mean(norm, 1.0))
-            loss = self._summed_over_ranks(loss)
-            if math.isfinite(loss) and math.isfinite(norm):
-                self.optimizer.step()
-            else:  # a NaN or inf would reach the weights and the optimizer state
-                self.optimizer.zero_grad(set_to_none=True)
-                self._skip_nonfinite(version, number, len(plans), loss, norm)
+            self._skip_nonfinite(version, number, count, loss, norm)
+
+    def _metrics(self, reduction: Reduction, targets: Targets, plan: StepPlan) -> dict[str, float]:
+        """The step's statistics over micro-batches and ranks, with the whole batch's."""
+        mask = targets.batch.loss_mask.bool()
         return (
             self._reduce(reduction)
             | {
-                "advantage_abs_mean": advantages[batch.loss_mask.bool()].abs().mean().item()
-                if batch.loss_mask.any()
+                "advantage_abs_mean": targets.advantages[mask].abs().mean().item()
+                if mask.any()
                 else 0.0,
-                "learner_minibatches": float(len(mine)),
-                "learner_microbatches": float(sum(len(update) for update in mine)),
+                "learner_minibatches": float(len(plan.mine)),
+                "learner_microbatches": float(sum(len(update) for update in plan.mine)),
                 "learner_positions": self._summed_over_ranks(float(self.positions)),
                 "learner_skipped_nonfinite_total": float(self.skipped_nonfinite),
             }
-            | extra
+            | targets.metrics
+        )
+
+    def _normalizers(self, loss_mask: torch.Tensor, plan: microbatch.Plan) -> Normalizers:
+        """The mini-batch's counts over every rank's rows, which each loss divides by."""
+        everyone = torch.tensor([i for rank in plan for rows in rank for i in rows])
+        return Normalizers(
+            num_tokens=loss_mask[everyone].sum().item(),
+            num_sequences=self._sequences(loss_mask[everyone]),
+            norm_length=self.config.generators.max_new_tokens,
         )
 
     def _sequences(self, loss_mask: torch.Tensor) -> float:
@@ -301,118 +299,55 @@ class Update:
         if self.ranks.world_size > 1:
             for tensor in out.values():
                 dist.all_reduce(tensor)
-        return {name: tensor.cpu() for name, tensor in out.items()}
+        return out  # stays on the device: the micro-steps read it there
 
     def _micro_step(
         self,
-        batch: TrainBatch,
-        part: microbatch.MicroBatch,
-        advantages: torch.Tensor,
-        returns: torch.Tensor | None,
+        targets: Targets,
         pre: dict[str, torch.Tensor],
-        normalizers: dict[str, float],
+        part: microbatch.MicroBatch,
+        normalizers: Normalizers,
         version: int,
-        correction: BatchCorrection,
     ) -> tuple[dict[str, Stat], float]:
         """Forward and backward one micro-batch; returns its statistics, each with how it
         combines with the other micro-batches' and ranks', and the value of the objective
         that was back-propagated."""
-        algorithm, device = self.algorithm, self.ranks.device
-        mask = part.tokens(batch.loss_mask, device) * part.weight
-        behavior = part.tokens(batch.behavior_logprobs, device)
-
-        inputs = self.layout.input(part, batch, device)
+        inputs = self.layout.input(part, targets.batch, self.ranks.device)
         self.positions += inputs.positions
-        entropy_term = "loss" if algorithm.entropy_coef > 0 else "metric"
-        outputs = token_outputs(self.model, inputs, self.temperature, entropy=entropy_term)
-        logprobs, values, entropy = outputs.logprobs, outputs.values, outputs.entropy
-        if algorithm.bypass:  # pi_prox = pi_b: the ratio is to the behavior policy itself
-            proximal = behavior
-        elif "proximal" in pre:
-            proximal = part.tokens(pre["proximal"], device)
-        else:
-            proximal = logprobs.detach()
-        loss, stats = policy_loss(
-            logprobs,
-            proximal,
-            behavior,
-            part.tokens(advantages, device),
-            mask,
-            loss=algorithm.policy_loss,
-            clip_low=algorithm.clip_low,
-            clip_high=algorithm.clip_high,
-            clip_c=algorithm.clip_c,
-            sapo_tau_pos=algorithm.sapo_tau_pos,
-            sapo_tau_neg=algorithm.sapo_tau_neg,
-            correction=algorithm.correction,
-            correction_level=algorithm.correction_level,
-            correction_cap=algorithm.correction_cap,
-            correction_floor=algorithm.correction_floor,
-            weight_scale=correction.weight_scale,
-            aggregation=algorithm.aggregation,
-            **normalizers,
-        )
-        training = logprobs.detach() if algorithm.bypass else proximal
-        off_policy = off_policy_metrics(training, behavior, mask, algorithm.correction_cap)
-        out = {
-            f"learner_{key}" if not key.startswith("importance") else key: v
-            for key, v in stats.items()
-        }
-        agg = {"mode": algorithm.aggregation, **normalizers}
-        total = loss
-        out["loss_policy"] = loss.detach()
-        if values is not None:
-            v_loss, v_stats = value_loss(
-                values,
-                part.tokens(pre["values"], device),
-                part.tokens(returns, device),
-                mask,
-                clip=algorithm.value_clip,
-                aggregation=algorithm.aggregation,
-                **normalizers,
-            )
-            total = total + algorithm.value_coef * v_loss
-            out["loss_value"] = v_loss.detach()
-            out |= {f"learner_{key}": value for key, value in v_stats.items()}
-        if self.reference is not None:
-            reference = part.tokens(pre["reference"], device)
-            kl = kl_estimate(logprobs, reference, algorithm.kl_estimator)
-            kl_term = aggregate(kl, mask, **agg)
-            if self.needs.kl_in_loss:
-                total = total + algorithm.kl_coef * kl_term
-            out["learner_kl"] = kl_term.detach()
-        if algorithm.entropy_coef > 0:
-            total = total - algorithm.entropy_coef * aggregate(entropy, mask, **agg)
-        (total * self.ranks.world_size).backward()
-        total_value = total.item()
+        outputs = token_outputs(self.model, inputs, self.temperature, self.objective.entropy)
+        tokens = self._tokens(part, targets, pre, outputs, version)
+        evaluation = self.objective(tokens, normalizers, targets.weight_scale)
+        (evaluation.loss * self.ranks.world_size).backward()
+        return evaluation.stats(), evaluation.loss.item()
 
-        with torch.no_grad():
-            tokens = float(mask.sum().item())
-            weight = tokens / max(normalizers["num_tokens"], 1.0)
-            current = (part.tokens(batch.token_versions, device) == version) & mask.bool()
-            # Losses are normalised by global counts already: they add up as they are.
-            result = {
-                key: Stat.total(float(value))
-                if key.startswith("loss_")
-                else Stat.peak(float(value))
-                if key in PEAK_STATS
-                else Stat.mean(float(value), weight)
-                for key, value in out.items()
-            }
-            result["learner_entropy"] = Stat.mean(
-                float((entropy * mask).sum() / max(tokens, 1.0)), weight
-            )
-            sequences = float(mask.bool().any(-1).sum().item())
-            for key, value in off_policy.items():
-                per = sequences if key in SEQUENCE_MEAN_KEYS else weight
-                result[key] = Stat.mean(float(value), per)
-            # Tokens sampled with the weights being trained: generator and learner
-            # should agree on them up to numerics (null in metrics.jsonl if there are none).
-            mismatch = (proximal - behavior).abs()[current]
-            result["logprob_mismatch"] = Stat.mean(
-                mismatch.mean().item() if mismatch.numel() else 0.0, float(mismatch.numel())
-            )
-        return result, total_value
+    def _tokens(
+        self,
+        part: microbatch.MicroBatch,
+        targets: Targets,
+        pre: dict[str, torch.Tensor],
+        outputs: TokenOutputs,
+        version: int,
+    ) -> Tokens:
+        """The micro-batch's rows of the batch, its targets and the pre-pass, on the device
+        (the pre-pass's are there already), beside the model's outputs."""
+        batch, device = targets.batch, self.ranks.device
+
+        def cut(full: torch.Tensor | None) -> torch.Tensor | None:
+            return None if full is None else part.tokens(full, device)
+
+        return Tokens(
+            logprobs=outputs.logprobs,
+            entropy=outputs.entropy,
+            values=outputs.values,
+            behavior=part.tokens(batch.behavior_logprobs, device),
+            proximal=cut(pre.get("proximal")),
+            advantages=part.tokens(targets.advantages, device),
+            mask=part.tokens(batch.loss_mask, device) * part.weight,
+            current=part.tokens(batch.token_versions, device) == version,
+            reference=cut(pre.get("reference")),
+            old_values=cut(pre.get("values")) if outputs.values is not None else None,
+            returns=cut(targets.returns),
+        )
 
     def _reduce(self, reduction: Reduction) -> dict[str, float]:
         """The step's statistics over micro-batches and ranks, each as it declared.

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
@@ -105,6 +105,14 @@ class Correction:
     """Whether ``algorithm.correction_cap`` changes w (it always counts the truncated stat)."""
     uses_floor: bool = False
     """Whether ``algorithm.correction_floor`` changes w."""
+    knobs: ClassVar[tuple[str, ...]] = ("correction_level", "correction_cap", "correction_floor")
+    """The keys every correction reads: where rho is taken, and the cap and the floor (its
+    thresholds where ``uses_cap``/``uses_floor``, the truncated and below-floor stats
+    always)."""
+
+    def knobs_of(self, algorithm: AlgorithmConfig) -> dict[str, Any]:
+        """This correction's knobs as the algorithm section sets them, by their keys."""
+        return {knob: getattr(algorithm, knob) for knob in self.knobs}
 
 
 @dataclass(frozen=True)
@@ -138,14 +146,19 @@ class PolicyLoss:
 
     ``fn`` is called with the keyword tensors ``logprobs, log_ratio, advantages, mask,
     weight`` [B, T] (masked, see :mod:`~.surrogates`) and the knobs named in ``knobs``
-    (names of :func:`~.policy_loss.policy_loss`'s parameters and of ``algorithm`` keys),
-    and returns a :class:`~.surrogates.Surrogate`."""
+    (``algorithm`` keys, passed to :func:`~.policy_loss.policy_loss` by name; a knob not
+    given takes ``fn``'s default), and returns a :class:`~.surrogates.Surrogate`."""
 
     name: str
     fn: Callable[..., Any]
     knobs: tuple[str, ...]
     """The loss knobs it reads, among ``clip_low, clip_high, clip_c, sapo_tau_pos,
-    sapo_tau_neg``; a knob set for a loss that does not read it is an error."""
+    sapo_tau_neg``; a dual clip (``clip_c``) set for a loss that does not read it is an
+    error."""
+
+    def knobs_of(self, algorithm: AlgorithmConfig) -> dict[str, Any]:
+        """This loss's knobs as the algorithm section sets them, as an estimator's."""
+        return {knob: getattr(algorithm, knob) for knob in self.knobs}
 
 
 ADVANTAGES: Registry[AdvantageEstimator] = Registry("advantage")

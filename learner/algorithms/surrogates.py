@@ -10,9 +10,10 @@ masked positions, so a NaN there never reaches an ``exp`` or a gradient):
 - ``advantages`` [B, T], ``weight`` [B, T] (the behavior weight w), both detached;
 - ``mask`` [B, T] bool;
 
-plus the knobs its entry names, and returns a :class:`Surrogate`: per-token losses that
-the caller aggregates (a sequence-level loss puts its sequence's value on each of its
-tokens, so ``seq-mean-token-mean`` averages it once per sequence, as verl does).
+plus the knobs its entry names (each defaulting as in ``algorithm``), and returns a
+:class:`Surrogate`: per-token losses that the caller aggregates (a sequence-level loss
+puts its sequence's value on each of its tokens, so ``seq-mean-token-mean`` averages it
+once per sequence, as verl does).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ GMPO_WEIGHT_EPS = 1e-10
 """GMPO takes the log of the behavior weights for their geometric mean: log(w + eps), verl's."""
 
 CLIP = ("clip_low", "clip_high")
+CLIP_DEFAULT = 0.2
+"""``clip_low`` and ``clip_high`` where a caller gives none (``algorithm``'s defaults)."""
 
 
 class Surrogate(NamedTuple):
@@ -77,9 +80,9 @@ def ppo_surrogate(
     advantages: Tensor,
     mask: Tensor,
     weight: Tensor,
-    clip_low: float,
-    clip_high: float,
-    clip_c: float | None,
+    clip_low: float = CLIP_DEFAULT,
+    clip_high: float = CLIP_DEFAULT,
+    clip_c: float | None = None,
     **_: Tensor,
 ) -> Surrogate:
     """``-w min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``, and with ``clip_c`` (> 1)
@@ -104,8 +107,8 @@ def gspo_surrogate(
     advantages: Tensor,
     mask: Tensor,
     weight: Tensor,
-    clip_low: float,
-    clip_high: float,
+    clip_low: float = CLIP_DEFAULT,
+    clip_high: float = CLIP_DEFAULT,
     **_: Tensor,
 ) -> Surrogate:
     """GSPO (Zheng et al. 2025, arXiv 2507.18071; verl's ``gspo``): the PPO clip on the
@@ -127,8 +130,8 @@ def cispo_surrogate(
     advantages: Tensor,
     mask: Tensor,
     weight: Tensor,
-    clip_low: float,
-    clip_high: float,
+    clip_low: float = CLIP_DEFAULT,
+    clip_high: float = CLIP_DEFAULT,
     **_: Tensor,
 ) -> Surrogate:
     """CISPO (MiniMax-M1, arXiv 2506.13585; verl's ``cispo``):
@@ -148,8 +151,8 @@ def sapo_surrogate(
     advantages: Tensor,
     mask: Tensor,
     weight: Tensor,
-    sapo_tau_pos: float,
-    sapo_tau_neg: float,
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
     **_: Tensor,
 ) -> Surrogate:
     """SAPO (Gao et al. 2025, arXiv 2511.20347; verl's ``sapo``): the hard clip replaced by
@@ -173,8 +176,8 @@ def gmpo_surrogate(
     advantages: Tensor,
     mask: Tensor,
     weight: Tensor,
-    clip_low: float,
-    clip_high: float,
+    clip_low: float = CLIP_DEFAULT,
+    clip_high: float = CLIP_DEFAULT,
     **_: Tensor,
 ) -> Surrogate:
     """GMPO (Zhao et al. 2025, arXiv 2507.20673; verl's ``geo_mean``), per sequence:

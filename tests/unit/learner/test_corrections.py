@@ -1,5 +1,6 @@
 """Behavior corrections against hand-worked examples: the levels (token, the sequence's
-product, its geometric mean), IcePop's two-sided mask, and the batch normalisation scale.
+product, its geometric mean), IcePop's two-sided mask, and the batch normalisation scale;
+then each correction's weights as the policy loss applies them.
 
 Expected numbers are worked out by hand in the comments.
 """
@@ -11,8 +12,10 @@ import typing
 
 import pytest
 import torch
+from algorithm_cases import on_policy_inputs
 
-from asyncrl.config import AlgorithmConfig
+from asyncrl.config import AlgorithmConfig, GrpoConfig
+from asyncrl.learner.algorithms import policy_loss
 from asyncrl.learner.algorithms.corrections import LEVELS, batch_weight_scale, behavior_weights
 from asyncrl.learner.algorithms.registry import CORRECTIONS
 
@@ -191,3 +194,100 @@ def test_normalised_weights_average_one():
     scale = batch_weight_scale(weight, mask, "token")
     close(scale, (2 + 2 + 0.5 + 3) / 4)  # token weights 2, 2 | 0.5, min(4, 3)
     close((weight / scale)[mask].mean(), 1.0)
+
+
+# ----------------------------------------------- through the policy loss
+
+
+def _two_tokens_with_behavior_ratios(rho0: float, rho1: float):
+    """On-policy (r = 1), A = 1 on two valid tokens whose pi_prox / pi_b are rho0, rho1."""
+    logprobs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    proximal = logprobs.detach().clone()
+    behavior = proximal - torch.tensor([[math.log(rho0), math.log(rho1)]])
+    return logprobs, proximal, behavior, torch.ones(1, 2), torch.ones(1, 2)
+
+
+@pytest.mark.parametrize(
+    ("correction", "expected_loss", "expected_grad"),
+    [
+        ("none", -(1 + 1) / 2, [-1 / 2, -1 / 2]),  # w = 1, 1
+        ("tis", -(2 + 1.5) / 2, [-2 / 2, -1.5 / 2]),  # w = min(4, 2), min(1.5, 2)
+        ("mis", -(0 + 1.5) / 2, [0.0, -1.5 / 2]),  # w = 0 (4 > 2 is masked), 1.5
+        ("decoupled", -(4 + 1.5) / 2, [-4 / 2, -1.5 / 2]),  # w = 4, 1.5 untruncated
+    ],
+)
+def test_each_correction_weights_tokens_by_its_rule(correction, expected_loss, expected_grad):
+    # loss = -sum_t(w_t * r_t * A_t) / 2 tokens with r = 1, A = 1; d/dlogprob_t = -w_t / 2
+    logprobs, proximal, behavior, advantages, mask = _two_tokens_with_behavior_ratios(4.0, 1.5)
+    loss, stats = policy_loss(
+        logprobs, proximal, behavior, advantages, mask, correction=correction, correction_cap=2.0
+    )
+    loss.backward()
+    assert loss.item() == pytest.approx(expected_loss, abs=1e-5)
+    close(logprobs.grad, [expected_grad])
+    # the raw ratios are reported whatever the correction: mean (4 + 1.5) / 2, max 4
+    assert stats["importance_weight_mean"].item() == pytest.approx(2.75, abs=1e-5)
+    assert stats["importance_weight_max"].item() == pytest.approx(4.0, abs=1e-5)
+    # one of two tokens is above C = 2 (truncated by tis, masked by mis)
+    assert stats["importance_truncated_frac"].item() == 0.5
+
+
+def test_the_default_correction_is_not_none():
+    logprobs, proximal, behavior, advantages, mask = _two_tokens_with_behavior_ratios(4.0, 1.5)
+    default, _ = policy_loss(logprobs, proximal, behavior, advantages, mask)
+    tis, _ = policy_loss(logprobs, proximal, behavior, advantages, mask, correction="tis")
+    assert default.item() == tis.item() == pytest.approx(-1.75, abs=1e-5)
+    assert GrpoConfig().correction == "tis"
+
+
+def _sequence_level_batch():
+    """Two rows, A = 1, r = 1. Behavior ratios: row 0 [9, 1, (masked e^50)], row 1 [0.5, 2, 1]."""
+    logprobs = torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0]], requires_grad=True)
+    proximal = logprobs.detach().clone()
+    log_rho = torch.tensor([[math.log(9.0), 0.0, 50.0], [math.log(0.5), math.log(2.0), 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    return logprobs, proximal, proximal - log_rho, torch.ones(2, 3), mask
+
+
+@pytest.mark.parametrize(
+    ("correction", "expected_loss"),
+    [
+        # geometric means: row 0 sqrt(9 * 1) = 3, row 1 (0.5 * 2 * 1)^(1/3) = 1; 5 valid tokens
+        ("tis", -(2 + 2 + 1 + 1 + 1) / 5),  # row 0 truncated to C = 2 on both tokens
+        ("mis", -(0 + 0 + 1 + 1 + 1) / 5),  # row 0 masked as a whole
+        ("decoupled", -(3 + 3 + 1 + 1 + 1) / 5),
+        ("none", -(1 + 1 + 1 + 1 + 1) / 5),
+    ],
+)
+def test_geometric_level_correction_uses_the_geometric_mean_of_the_valid_tokens(
+    correction, expected_loss
+):
+    logprobs, proximal, behavior, advantages, mask = _sequence_level_batch()
+    loss, stats = policy_loss(
+        logprobs,
+        proximal,
+        behavior,
+        advantages,
+        mask,
+        correction=correction,
+        correction_level="geometric",
+        correction_cap=2.0,
+    )
+    assert loss.item() == pytest.approx(expected_loss, abs=1e-5)
+    # sequence ratios per token 3, 3, 1, 1, 1: mean 9/5, max 3, 2 of 5 tokens above C
+    assert stats["importance_weight_mean"].item() == pytest.approx(1.8, abs=1e-5)
+    assert stats["importance_weight_max"].item() == pytest.approx(3.0, abs=1e-5)
+    assert stats["importance_truncated_frac"].item() == pytest.approx(0.4)
+
+
+def test_token_level_tis_on_the_same_batch_truncates_token_by_token():
+    # token ratios 9, 1 | 0.5, 2, 1 -> min(., 2): 2, 1 | 0.5, 2, 1 -> loss -(6.5) / 5
+    logprobs, proximal, behavior, advantages, mask = _sequence_level_batch()
+    loss, _ = policy_loss(logprobs, proximal, behavior, advantages, mask, correction="tis")
+    assert loss.item() == pytest.approx(-6.5 / 5, abs=1e-5)
+
+
+def test_an_unknown_correction_level_raises_value_error():
+    logprobs, proximal, behavior, advantages, mask = on_policy_inputs()
+    with pytest.raises(ValueError, match="correction_level"):
+        policy_loss(logprobs, proximal, behavior, advantages, mask, correction_level="batch")

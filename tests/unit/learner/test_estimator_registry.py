@@ -210,3 +210,23 @@ def test_a_registered_estimator_drives_the_learner(scaled_mean):
     expected = float((per_sample.abs() * tokens).sum() / tokens.sum())
     assert metrics["advantage_abs_mean"] == pytest.approx(expected, rel=1e-6)
     assert torch.isfinite(torch.tensor(metrics["loss_policy"]))
+
+
+# --------------------------- every registry against the config's choices
+
+
+def test_every_config_name_has_an_estimator_and_every_estimator_a_config_name():
+    assert set(ADVANTAGE_CONFIGS) == set(ADVANTAGES)
+    for name, estimator in ADVANTAGES.items():
+        assert ADVANTAGE_CONFIGS[name] is estimator.config
+    per_sample = {name for name, e in ADVANTAGES.items() if e.per_sample}
+    assert per_sample == {"grpo", "dr_grpo", "rloo", "grpo_passk"}
+    assert set(CORRECTIONS) == set(
+        typing.get_args(AlgorithmConfig.model_fields["correction"].annotation)
+    )
+    assert set(AGGREGATIONS) == set(
+        typing.get_args(AlgorithmConfig.model_fields["aggregation"].annotation)
+    )
+    assert set(KL_ESTIMATORS) == set(
+        typing.get_args(AlgorithmConfig.model_fields["kl_estimator"].annotation)
+    )

@@ -1,6 +1,6 @@
-"""KL to the reference (k3's clamps, abs) and the in-reward KL coefficient's controllers,
-against hand-worked values and gradients (verl's ``kl_penalty_forward`` and
-``AdaptiveKLController``)."""
+"""KL to the reference (each estimator on a hand-worked token, k3's clamps, abs, the KL in
+the reward) and the in-reward KL coefficient's controllers, against hand-worked values and
+gradients (verl's ``kl_penalty_forward`` and ``AdaptiveKLController``)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,17 @@ import math
 
 import pytest
 import torch
+from algorithm_cases import close
 
 from asyncrl.learner.algorithms import (
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
     batch_kl,
+    compute_advantages,
     kl_estimate,
     make_kl_controller,
+    token_level_rewards,
 )
 
 torch.set_num_threads(1)
@@ -139,3 +142,63 @@ def test_batch_kl_averages_each_rows_token_mean_over_all_rows():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
     # row means 1.5, 4, 0 (no valid token); over 3 rows: 5.5 / 3 (verl's apply_kl_penalty)
     assert batch_kl(kl, mask) == pytest.approx(5.5 / 3, rel=1e-6)
+
+
+# -------------------------------------- estimators on hand-worked tokens
+
+
+def test_kl_estimators_on_a_hand_worked_token():
+    # pi = 0.5, pi_ref = 0.25: x = log 2
+    # k1 = log 2; k2 = (log 2)^2 / 2; k3 = 1/2 - 1 + log 2
+    lp, ref = torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.25)]])
+    ln2 = math.log(2.0)
+    assert kl_estimate(lp, ref, "k1").item() == pytest.approx(ln2, abs=1e-6)
+    assert kl_estimate(lp, ref, "k2").item() == pytest.approx(ln2**2 / 2, abs=1e-6)
+    assert kl_estimate(lp, ref, "k3").item() == pytest.approx(0.5 - 1 + ln2, abs=1e-6)
+    # the other way round, x = -log 2: k1 is negative, k3 = 2 - 1 - log 2 stays positive
+    assert kl_estimate(ref, lp, "k1").item() == pytest.approx(-ln2, abs=1e-6)
+    assert kl_estimate(ref, lp, "k3").item() == pytest.approx(1 - ln2, abs=1e-6)
+
+
+def test_k1_and_k3_are_unbiased_over_a_whole_distribution():
+    # pi = [1/2, 1/2], pi_ref = [1/4, 3/4]:
+    # KL = 1/2 log(2) + 1/2 log(2/3) = 1/2 log(4/3)
+    pi = torch.tensor([[0.5, 0.5]])
+    ref = torch.tensor([[0.25, 0.75]])
+    kl = 0.5 * math.log(4 / 3)
+    for estimator in ("k1", "k3"):
+        per_token = kl_estimate(pi.log(), ref.log(), estimator)
+        assert (pi * per_token).sum().item() == pytest.approx(kl, abs=1e-6), estimator
+
+
+def test_kl_estimate_is_differentiable_in_the_policy_logprobs():
+    # d k3 / dx = 1 - exp(-x) = 1 - 1/2 at x = log 2; the reference gets no gradient
+    lp = torch.tensor([[math.log(0.5)]], requires_grad=True)
+    ref = torch.tensor([[math.log(0.25)]], requires_grad=True)
+    kl_estimate(lp, ref, "k3").sum().backward()
+    assert lp.grad.item() == pytest.approx(0.5, abs=1e-6)
+    assert ref.grad is None
+
+
+def test_an_unknown_kl_estimator_raises_value_error():
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        kl_estimate(torch.zeros(1, 1), torch.zeros(1, 1), "k4")
+
+
+def test_kl_in_the_reward_flows_into_reinforce_pp_returns():
+    # reward 1 on the last of 2 tokens, k1 = 0.5 per token, kl_coef 0.2 -> [-0.1, 0.9]
+    # gamma 1 returns: [0.8, 0.9]; whitened: mean 0.85, deviations -+0.05,
+    # unbiased std sqrt(2 * 0.0025 / 1) = 0.05 * sqrt(2) -> [-1/sqrt2, 1/sqrt2]
+    mask = torch.ones(1, 2)
+    kl = kl_estimate(torch.full((1, 2), -1.0), torch.full((1, 2), -1.5), "k1")
+    token_rewards = token_level_rewards(torch.tensor([1.0]), mask, kl=kl, kl_coef=0.2)
+    close(token_rewards, [[-0.1, 0.9]])
+    advantages, _ = compute_advantages(
+        "reinforce_pp",
+        rewards=torch.tensor([1.0]),
+        group_ids=torch.tensor([0]),
+        mask=mask,
+        token_rewards=token_rewards,
+    )
+    h = 1 / math.sqrt(2.0)
+    close(advantages, [[-h, h]], atol=1e-4)
