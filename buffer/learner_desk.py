@@ -1,4 +1,5 @@
-"""The learner's side of the buffer: its batches, its eval rounds and results, its checkpoints.
+"""The learner's side of the buffer: its batches, its eval rounds and results, its checkpoints,
+its adapter announcements.
 
 The learner has at most one batch request pending; it is answered when the
 store can form a batch, with the buffer's metrics, the batch's own episode figures
@@ -7,7 +8,9 @@ results riding along. Only the peer the last batch went to may hand it back
 (``SaveBufferState.abandoned_batch_request``), and only once. A request for
 eval results is held (:mod:`asyncrl.buffer.held`) until the running round
 completes or its deadline passes. The learner's version may only move by one
-per message (``bad_version``).
+per message (``bad_version``). A run that publishes LoRA adapters alone has the learner
+announce each adapter's digest (``AdapterPublished``) before replicas can fetch it; the
+generators' samples are checked against it (:mod:`asyncrl.buffer.generator_desk`).
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from asyncrl.buffer.adapters import AdapterLedger
 from asyncrl.buffer.durable import write_atomically
 from asyncrl.buffer.held import HeldRequests, HeldResultsRequest
 from asyncrl.buffer.metrics import episode_metrics
 from asyncrl.buffer.store import BufferStore
 from asyncrl.core.messages import (
     Ack,
+    AdapterPublished,
     BatchRequest,
     EvalResults,
     EvalResultsRequest,
@@ -44,7 +49,8 @@ Reply = Callable[..., Awaitable[bool]]
 
 class LearnerDesk:
     """Serves the learner's messages (``BatchRequest``, ``StartEval``,
-    ``EvalResultsRequest``, ``SaveBufferState``) and delivers what it waits for."""
+    ``EvalResultsRequest``, ``SaveBufferState``, ``AdapterPublished``) and delivers what
+    it waits for."""
 
     def __init__(
         self,
@@ -54,6 +60,7 @@ class LearnerDesk:
         batch_stats: Callable[[], dict[str, float]],
         run_dir: Path | None,
         counters: Counter[str],
+        adapters: AdapterLedger | None,
     ):
         self.store = store
         self.held = held
@@ -70,6 +77,8 @@ class LearnerDesk:
         """The last batch served was handed back already (it goes back once)."""
         self.counters = counters
         """The service's: ``abandon_noops`` counts hand-backs with nothing to hand back."""
+        self.adapters = adapters
+        """The adapter digests announced, when the run publishes LoRA adapters alone."""
 
     async def on_batch_request(self, identity: bytes, body: BatchRequest, _, now: float) -> None:
         self._check_version("BatchRequest.policy_version", body.policy_version)
@@ -117,6 +126,16 @@ class LearnerDesk:
         if body.abandoned_batch_request:
             self._take_back_batch(identity)
         self._save_state(self.run_dir, step)
+        await self.reply(identity, Ack(accepted=1))
+
+    async def on_adapter_published(
+        self, identity: bytes, body: AdapterPublished, _, now: float
+    ) -> None:
+        if self.adapters is None:
+            raise WireError(
+                "unexpected_type", "this run does not publish LoRA adapters alone (model.lora)"
+            )
+        self.adapters.announce(body.version, body.digest)
         await self.reply(identity, Ack(accepted=1))
 
     def _check_version(self, field: str, version: int) -> None:

@@ -9,8 +9,9 @@
 
 All state lives in :class:`~asyncrl.buffer.store.BufferStore`; this module only
 moves messages and supplies the clock (``time.monotonic``). Each message type
-has one small handler (:attr:`BufferService.handlers`): the generators' here, the
-learner's in :mod:`asyncrl.buffer.learner_desk`. Every message from a
+has one small handler (:attr:`BufferService.handlers`): the generators' in
+:mod:`asyncrl.buffer.generator_desk`, the learner's in :mod:`asyncrl.buffer.learner_desk`;
+status requests, metrics and replies are the service's. Every message from a
 generator counts as its heartbeat, and each turn of the poll loop requeues
 the groups of generators silent for ``buffer.heartbeat_timeout_s``. A
 malformed or unknown message is answered with an ``ErrorReply``, counted
@@ -66,35 +67,25 @@ import zmq
 import zmq.asyncio
 
 from asyncrl.buffer.adapters import AdapterLedger
-from asyncrl.buffer.counters import Count
-from asyncrl.buffer.held import HeldRequest, HeldRequests
+from asyncrl.buffer.generator_desk import GeneratorDesk
+from asyncrl.buffer.held import HeldRequests
 from asyncrl.buffer.learner_desk import LearnerDesk
 from asyncrl.buffer.metrics import busy_fraction, generators_summary, pools_summary, service_metrics
-from asyncrl.buffer.peers import Incarnations, RejectionLog, authorize
-from asyncrl.buffer.returns import Returns
+from asyncrl.buffer.peers import RejectionLog, authorize
 from asyncrl.buffer.skips import SkipFile
 from asyncrl.buffer.store import BufferStore
-from asyncrl.buffer.validation import (
-    Limits,
-    check_generator_id,
-    check_pool,
-    check_trajectories,
-    model_vocab_size,
-    sender_of,
-)
+from asyncrl.buffer.validation import Limits, model_vocab_size
 from asyncrl.config import Config
 from asyncrl.core import progress
 from asyncrl.core.connection_guard import ConnectionGuard
 from asyncrl.core.message_limits import BUFFER_HEADER_BYTES, buffer_guard_limits
 from asyncrl.core.messages import (
-    Ack,
     AdapterPublished,
     BatchRequest,
     ErrorReply,
     EvalResultsRequest,
     Heartbeat,
     Join,
-    Joined,
     Leave,
     SaveBufferState,
     StartEval,
@@ -102,26 +93,17 @@ from asyncrl.core.messages import (
     StatusRequest,
     Trajectories,
     WireError,
-    WorkGrant,
-    WorkItem,
     WorkRequest,
     decode,
     encode,
 )
 from asyncrl.core.security import peer_role, secure_server
-from asyncrl.core.trajectory import Sample
 from asyncrl.core.trajectory import split_samples as split_samples  # benchmarks import it
 
 log = logging.getLogger("asyncrl.buffer")
 
-RETRY_AFTER_S = 0.05
-"""How long a generator refused by admission control or back-pressure waits to ask again."""
 POLL_MS = 100
 """Longest wait for a message before the loop checks for silent generators."""
-MAX_WAIT_FRACTION = 0.5
-"""A held WorkRequest waits at most this share of ``buffer.heartbeat_timeout_s`` (a
-longer ``wait_s`` is cut to it), so its replica is answered, and speaks again, long
-before it could be taken for silent."""
 STOP_LINGER_MS = 200
 """How long closing the socket may take to send the last replies (held requests answered
 on stop) to peers still connected."""
@@ -136,14 +118,6 @@ MAX_HEADER_BYTES = BUFFER_HEADER_BYTES
 """The largest header frame the buffer decodes (``oversized`` beyond): a generator's
 message of its most samples (``MAX_SAMPLES_PER_MESSAGE``) has a header of about 100 KB.
 Every frame is capped by the socket first (:mod:`asyncrl.core.message_limits`)."""
-MAX_IN_FLIGHT_FACTOR = 4
-"""A generator may hold at most this many times the largest pool's
-``generators.max_active_samples`` in flight (samples handed to it, not yet delivered):
-the ones it generates plus the finished ones still being scored (a replica asks for
-``max_active_samples`` less what it generates, and a slow reward can hold as many again).
-A request beyond that is granted only what fits (counted in
-``buffer_work_requests_capped``), so one generator id cannot book an unbounded share of
-the admission budget."""
 
 Handler = Callable[[bytes, object, dict, float], Awaitable[None]]
 """``handler(identity, body, arrays, now)``: serves one message type."""
@@ -162,13 +136,6 @@ class BufferService:
         self.config = config
         self.store = store
         self.endpoint = endpoint
-        self.limits = Limits.from_config(
-            config, vocab_size if vocab_size is not None else model_vocab_size(config)
-        )
-        """What a generator's samples must fit (:mod:`asyncrl.buffer.validation`)."""
-        most_active = max(p.settings.max_active_samples for p in config.generators.resolved_pools())
-        self.max_in_flight = MAX_IN_FLIGHT_FACTOR * most_active
-        """Samples one generator may hold in flight (``MAX_IN_FLIGHT_FACTOR``)."""
         self.context = zmq.asyncio.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -179,41 +146,46 @@ class BufferService:
         """Bounds frames, connections in handshake and bytes held, while serving."""
         self.rejected: Counter[str] = Counter()
         self.log_rejection = RejectionLog()
-        self.incarnations = Incarnations(store.last_seen)
-        self.pools_known: set[str] = {p.name for p in config.generators.resolved_pools()}
-        """Pool names reported on (``validation.MAX_POOLS`` at most)."""
-        self.reward_error_kinds: set[str] = set()
-        """Reward-error tags counted so far (``validation.MAX_REWARD_ERROR_KINDS`` at most)."""
         self.stopping = asyncio.Event()
-        self.generator_stats: dict[str, dict[str, float]] = {}
-        """Each generator's latest counters (weight swaps, latency, reward errors)."""
-        self.generator_pools: dict[str, str] = {}
-        self.returns = Returns()
-        """Generators expired for silence, until they are back and their samples accepted."""
         self.held = HeldRequests()
         """Work requests waiting for work, and the learner's request for eval results."""
         self.counters: Counter[str] = Counter()
-        """``abandon_noops``, ``work_requests_capped``, ``work_requests_held`` (ever) and
-        ``work_requests_held_granted`` (got items)."""
+        """``abandon_noops``, ``work_requests_capped``, ``work_requests_held`` (ever),
+        ``work_requests_held_granted`` (got items) and ``generators_returned``."""
         self.skips = SkipFile(run_dir)
-        self.adapters = AdapterLedger() if config.model.publishes_adapters else None
-        """The learner's adapter digests, when samples must be checked against them."""
+        # the learner's adapter digests, when samples must be checked against them
+        adapters = AdapterLedger() if config.model.publishes_adapters else None
         self.learner = LearnerDesk(
-            store, self.held, self._reply, self._batch_stats, run_dir, self.counters
+            store, self.held, self._reply, self._batch_stats, run_dir, self.counters, adapters
         )
         """Serves the learner's messages and delivers its batches and eval results."""
+        limits = Limits.from_config(
+            config, vocab_size if vocab_size is not None else model_vocab_size(config)
+        )
+        self.generators = GeneratorDesk(
+            config,
+            store,
+            self.held,
+            self._reply,
+            limits,
+            adapters,
+            self._samples_stored,
+            self.counters,
+            self.log_rejection,
+        )
+        """Serves the generators' messages, answers their held requests, expires the silent."""
         self.handlers: dict[type, Handler] = {
-            WorkRequest: self._on_work_request,
-            Trajectories: self._on_trajectories,
-            Heartbeat: self._on_heartbeat,
-            Join: self._on_join,
-            Leave: self._on_leave,
+            WorkRequest: self.generators.on_work_request,
+            Trajectories: self.generators.on_trajectories,
+            Heartbeat: self.generators.on_heartbeat,
+            Join: self.generators.on_join,
+            Leave: self.generators.on_leave,
             StatusRequest: self._on_status_request,
             BatchRequest: self.learner.on_batch_request,
             StartEval: self.learner.on_start_eval,
             EvalResultsRequest: self.learner.on_eval_results_request,
             SaveBufferState: self.learner.on_save_buffer_state,
-            AdapterPublished: self._on_adapter_published,
+            AdapterPublished: self.learner.on_adapter_published,
         }
         """The message types served, each by its handler."""
 
@@ -242,12 +214,11 @@ class BufferService:
                 if ready:
                     await self._receive()
                     self.skips.record(self.store.skipped, self.store.config.stale_retries)
-                await self._serve_held(time.monotonic())
+                await self.generators.serve_held(time.monotonic())
                 await self.learner.serve_results(time.monotonic())
                 progress.beat("serving", detail=self._progress_detail)  # the loop turned
         finally:  # no peer is left waiting on a request that will never be answered
-            for held in self.held:
-                await self._answer_held(held, [], time.monotonic())
+            await self.generators.answer_all_held(time.monotonic())
             await self.learner.serve_results(math.inf)
 
     def _progress_detail(self) -> str:
@@ -280,15 +251,7 @@ class BufferService:
         self.log_rejection(reason, detail, time.monotonic())
 
     def _expire_silent_generators(self) -> None:
-        last_seen = dict(self.store.last_seen)
-        for generator_id in self.store.expire_silent(time.monotonic()):
-            self.incarnations.drop(generator_id)
-            self.returns.expired(generator_id, last_seen[generator_id])
-            log.warning(
-                "generator %s silent for over %.1fs: its unfinished groups are requeued",
-                generator_id,
-                self.store.config.heartbeat_timeout_s,
-            )
+        self.generators.expire_silent(time.monotonic())
 
     async def _handle(self, identity: bytes, body, arrays) -> None:
         handler = self.handlers.get(type(body))
@@ -296,196 +259,35 @@ class BufferService:
             raise WireError("unexpected_type", f"the buffer does not serve {type(body).__name__}")
         await handler(identity, body, arrays, time.monotonic())
 
-    # ---------------------------------------------------------------- generators
-
-    async def _on_work_request(self, identity: bytes, body: WorkRequest, _, now: float) -> None:
-        wait_s = self._checked_wait(body.wait_s)
-        if body.max_samples < 0:
-            raise WireError("bad_field", f"WorkRequest.max_samples {body.max_samples} < 0")
-        self.incarnations.claim(body.generator_id, body.incarnation)
-        self._heard(body.generator_id, now)
-        await self._answer_earlier(body.generator_id, now)  # one held per id: the newer counts
-        items = self._dispatch(body.generator_id, body.max_samples, now)
-        if items or not wait_s:
-            retry = 0.0 if items else RETRY_AFTER_S
-            await self._reply(identity, WorkGrant(items, self.store.policy_version, retry))
-            return
-        self.held.hold(HeldRequest(identity, body.generator_id, body.max_samples, now + wait_s))
-        self.counters["work_requests_held"] += 1
-
-    async def _on_trajectories(self, identity: bytes, body: Trajectories, arrays, now) -> None:
-        sender = sender_of(body)
-        if body.pool:
-            check_pool(body.pool, self.pools_known)
-        if body.samples:
-            self.incarnations.claim(sender, body.incarnation)
-            self._heard(sender, now)
-        samples = check_trajectories(
-            body,
-            {name: a.numpy() for name, a in arrays.items()},
-            self.limits,
-            self.store.policy_version + 1,  # published before the learner asks
-            self.store.handed_out,
-            self.reward_error_kinds,
-        )
-        samples = self._refuse_other_adapters(body, samples)
-        accepted = self.store.ingest(samples, now)
-        if accepted:
-            self.returns.accepted(sender, now)
-        if body.samples and body.stats:
-            self.generator_stats[sender] = dict(body.stats)
-            self.generator_pools[sender] = body.pool or "default"
-        await self._reply(identity, Ack(accepted, len(body.samples) - accepted))
-        await self.learner.serve_pending()
-        await self.learner.serve_results(now)  # the sample that completes a round
-
-    def _refuse_other_adapters(self, body: Trajectories, samples: list[Sample]) -> list[Sample]:
-        """``samples`` but those generated with another adapter than the one published
-        for a version they carry: refused, counted, their groups requeued."""
-        if self.adapters is None:
-            return samples
-        kept, refused = [], []
-        for sample in samples:
-            problem = self.adapters.mismatch(sample, body.adapter_digests or {})
-            (kept if problem is None else refused).append(sample)
-            if problem is not None:
-                detail = f"{sample.meta.generator_id}: sample {sample.meta.group_id}/"
-                self.log_rejection(
-                    "adapter_mismatch", f"{detail}{sample.meta.sample_index}: {problem}",
-                    time.monotonic(),
-                )  # fmt: skip
-        if refused:
-            self.store.refuse(refused, Count.REFUSED_ADAPTER)
-        return kept
-
-    async def _on_adapter_published(
-        self, identity: bytes, body: AdapterPublished, _, now: float
-    ) -> None:
-        if self.adapters is None:
-            raise WireError(
-                "unexpected_type", "this run does not publish LoRA adapters alone (model.lora)"
-            )
-        self.adapters.announce(body.version, body.digest)
-        await self._reply(identity, Ack(accepted=1))
-
-    async def _on_heartbeat(self, identity: bytes, body: Heartbeat, _, now: float) -> None:
-        self.incarnations.claim(body.generator_id, body.incarnation)
-        self._heard(body.generator_id, now)
-        self.store.heartbeat(body.generator_id, now)
-        await self._reply(identity, Ack(accepted=0))
-
-    def _heard(self, generator_id: str, now: float) -> None:
-        if self.returns.heard(generator_id, now):
-            self.counters["generators_returned"] += 1
-
-    async def _on_join(self, identity: bytes, body: Join, _, now: float) -> None:
-        generator_id = body.generator_id
-        check_generator_id(generator_id)
-        check_pool(body.pool, self.pools_known)
-        live = self.incarnations.live(generator_id)
-        if live is not None and live != body.incarnation:  # restarted under the same id
-            await self._answer_earlier(generator_id, now)
-            requeued = self.store.replace(generator_id, now)
-            log.warning(
-                "generator %s joined again as a new process: the old one's %d "
-                "unfinished group(s) are requeued",
-                generator_id,
-                requeued,
-            )
-        self.incarnations.register(generator_id, body.incarnation)
-        self.returns.forget(generator_id)  # a (new) process joining is not a return
-        self.store.heartbeat(generator_id, now)
-        self.generator_pools[generator_id] = body.pool
-        log.info("generator %s (pool %s) joined", generator_id, body.pool)
-        cluster = self.config.cluster
-        joined = Joined(cluster.weights_port, self.store.policy_version, self.config.run.name)
-        await self._reply(identity, joined)
-
-    async def _on_leave(self, identity: bytes, body: Leave, _, now: float) -> None:
-        generator_id = body.generator_id
-        check_generator_id(generator_id)
-        live = self.incarnations.live(generator_id)
-        if live is not None and live != body.incarnation:
-            raise WireError(
-                "wrong_incarnation",
-                f"Leave names generator {generator_id}, alive as another process",
-            )
-        await self._answer_earlier(generator_id, now)  # first: every request gets one reply
-        requeued = self.store.leave(generator_id)
-        self.incarnations.drop(generator_id)
-        self.returns.forget(generator_id)
-        log.info("generator %s left; %d unfinished group(s) requeued", generator_id, requeued)
-        await self._reply(identity, Ack(accepted=requeued))
-
     async def _on_status_request(self, identity: bytes, _body, _, now: float) -> None:
         await self._reply(identity, self._status(now))
 
-    # ------------------------------------------------------------------- helpers
-
-    def _dispatch(
-        self, generator_id: str, max_samples: int, now: float, retry: bool = False
-    ) -> list[WorkItem]:
-        """Dispatch at most ``max_samples``, within the generator's in-flight cap (a request
-        the cap cuts is counted once, not on each ``retry`` of a held one)."""
-        room = self.max_in_flight - self.store.in_flight_samples(generator_id)
-        if room < max_samples and not retry:
-            self.counters["work_requests_capped"] += 1
-        return self.store.dispatch(generator_id, max(0, min(max_samples, room)), now, retry)
-
-    def _checked_wait(self, wait_s: float) -> float:
-        """``WorkRequest.wait_s``, cut to the longest hold the heartbeat timeout allows."""
-        if not math.isfinite(wait_s) or wait_s < 0:
-            raise WireError(
-                "bad_field", f"WorkRequest.wait_s must be a finite number >= 0, got {wait_s}"
-            )
-        return min(wait_s, MAX_WAIT_FRACTION * self.store.config.heartbeat_timeout_s)
-
-    async def _serve_held(self, now: float) -> None:
-        """Answer held requests that dispatch can now serve, and those past their deadline."""
-        if self.held.worth_trying(self.store.dispatch_state()):
-            for held in self.held:
-                items = self._dispatch(held.generator_id, held.max_samples, now, retry=True)
-                if items:
-                    self.counters["work_requests_held_granted"] += 1
-                    await self._answer_held(held, items, now)
-            self.held.tried(self.store.dispatch_state())
-        for held in self.held.expired(now):
-            await self._answer_held(held, [], now)
-
-    async def _answer_earlier(self, generator_id: str, now: float) -> None:
-        """Answer ``generator_id``'s held request, if any, with an empty grant."""
-        earlier = self.held.pop(generator_id)
-        if earlier is not None:
-            await self._answer_held(earlier, [], now)
-
-    async def _answer_held(self, held: HeldRequest, items: list[WorkItem], now: float) -> None:
-        """Reply to a held request; the wait counts as contact when the replica is there."""
-        self.held.release(held)
-        grant = WorkGrant(items, self.store.policy_version, 0.0)
-        if await self._reply(held.identity, grant):
-            self.store.heartbeat(held.generator_id, now)
+    async def _samples_stored(self, now: float) -> None:
+        """A generator's samples were taken in: serve the learner what they complete."""
+        await self.learner.serve_pending()
+        await self.learner.serve_results(now)  # the sample that completes a round
 
     def _stats(self, now: float) -> dict[str, float]:
         """The store's metrics, the service's own, and the generators' summed up."""
         stats = self.store.stats(now)
         stats |= service_metrics(self.rejected, self.counters, len(self.held))
-        stats |= generators_summary(self.generator_stats)
+        stats |= generators_summary(self.generators.stats)
         if self.guard is not None:
             stats |= {f"buffer_connections_{k}": float(v) for k, v in self.guard.stats().items()}
-        return stats | busy_fraction(self.generator_stats, self.store.last_seen)
+        return stats | busy_fraction(self.generators.stats, self.store.last_seen)
 
     def _status(self, now: float) -> Status:
         generators = {
-            generator_id: {"seen_s_ago": now - seen, **self.generator_stats.get(generator_id, {})}
+            generator_id: {"seen_s_ago": now - seen, **self.generators.stats.get(generator_id, {})}
             for generator_id, seen in self.store.last_seen.items()
         }
-        pools = dict(self.generator_pools)
+        pools = dict(self.generators.pools)
         return Status(self.store.policy_version, self._stats(now), generators, pools)
 
     def _batch_stats(self) -> dict[str, float]:
         """What a batch carries: the metrics of a status, and the pools' sums."""
         stats = self._stats(time.monotonic())
-        return stats | pools_summary(self.generator_stats, self.generator_pools)
+        return stats | pools_summary(self.generators.stats, self.generators.pools)
 
     @property
     def run_dir(self) -> Path | None:

@@ -85,6 +85,10 @@ requeued groups, the running eval round, new prompts. Held-out eval rounds
 (:mod:`asyncrl.buffer.evaluation`) share dispatch and liveness with training but
 none of its accounting: their groups are tracked by their source, never ready,
 evicted or served. The invariants above count training samples and groups only.
+
+Which generators are alive, and taking back their groups (expiry, leave, replacement,
+refused samples), is :class:`~asyncrl.buffer.liveness.Liveness`'s; the store's methods of
+those names hand over to it.
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ from asyncrl.buffer.durable import PromptRecord, Skip
 from asyncrl.buffer.evaluation import EvalRounds
 from asyncrl.buffer.groups import SKIP_REASONS as SKIP_REASONS  # tests import it here
 from asyncrl.buffer.groups import Group, InFlight, filter_reason
+from asyncrl.buffer.liveness import Liveness
 from asyncrl.buffer.metrics import IngestRate, store_metrics
 from asyncrl.buffer.sources import Ask, EvalRoundSource, NewPrompts, RequeuedGroups, WorkSource
 from asyncrl.core.messages import TrajectoryMeta, WorkItem
@@ -130,8 +135,8 @@ class BufferStore:
         """Dispatched training groups not yet complete, by group id."""
         self.started_samples = 0
         """Samples dispatched and not since evicted or dropped: what admission bounds."""
-        self.last_seen: dict[str, float] = {}
-        """Generator id -> time of its last message, for generators not yet expired."""
+        self.liveness = Liveness(self)
+        """Which generators are alive, and taking back their groups (:mod:`.liveness`)."""
         self.counters: Counter[str] = Counter()
         """Keyed by :class:`~asyncrl.buffer.counters.Count`, whose metric names derive."""
         self.reward_error_kinds: Counter[str] = Counter()  # ``error:timeout`` as error_timeout
@@ -152,6 +157,11 @@ class BufferStore:
         self.batch_extras: list[tuple[WorkSource, dict[str, float]]] = []
         """What the sources handed over with the last batch served, by source."""
         self.prompts = PromptRecord()  # stale retries used, prompts given up on (invariant 8)
+
+    @property
+    def last_seen(self) -> dict[str, float]:
+        """Generator id -> time of its last message, for generators not yet expired."""
+        return self.liveness.last_seen
 
     @property
     def ready(self) -> list[Group]:
@@ -181,42 +191,28 @@ class BufferStore:
     # ---------------------------------------------------------------- liveness
 
     def heartbeat(self, generator_id: str, now: float) -> None:
-        """Record that ``generator_id`` is alive at ``now``; any message from it counts."""
-        self.last_seen[generator_id] = max(now, self.last_seen.get(generator_id, now))
-        self.ingest_rate.start(now, self.counters[Count.ACCEPTED])
+        """Record that ``generator_id`` is alive at ``now`` (:meth:`Liveness.heartbeat`)."""
+        self.liveness.heartbeat(generator_id, now)
 
     def expire_silent(self, now: float) -> list[str]:
-        """Requeue the unfinished groups of generators silent for over the timeout.
-
-        Their partial samples are discarded (counted as ``discarded_requeue``) so
-        each group is regenerated whole by one generator, never stitched from
-        two. The requeued groups keep their admission budget: they were counted
-        when first dispatched. Returns the expired generators' ids.
-        """
-        expired = sorted(
-            generator_id
-            for generator_id, seen in self.last_seen.items()
-            if now - seen > self.config.heartbeat_timeout_s
-        )
-        for generator_id in expired:
-            self._forget(generator_id)
-        return expired
+        """Requeue the groups of generators silent for over the timeout; their ids
+        (:meth:`Liveness.expire_silent`)."""
+        return self.liveness.expire_silent(now)
 
     def leave(self, generator_id: str) -> int:
-        """``generator_id`` stopped on purpose: requeue its unfinished groups now.
-
-        Returns how many were requeued (counted like expiry's, as ``requeued_groups``)."""
-        self.counters[Count.GENERATORS_LEFT] += 1
-        return self._forget(generator_id)
+        """``generator_id`` stopped on purpose: requeue its groups now; how many
+        (:meth:`Liveness.leave`)."""
+        return self.liveness.leave(generator_id)
 
     def replace(self, generator_id: str, now: float) -> int:
-        """A new process took over ``generator_id`` (a restart that kept the id): the old
-        one's unfinished groups are requeued now, counted as ``generators_replaced``, and
-        the id is alive at ``now``. Returns how many groups were requeued."""
-        self.counters[Count.GENERATORS_REPLACED] += 1
-        requeued = self._forget(generator_id)
-        self.heartbeat(generator_id, now)
-        return requeued
+        """A new process took over ``generator_id``: requeue the old one's groups now; how
+        many (:meth:`Liveness.replace`)."""
+        return self.liveness.replace(generator_id, now)
+
+    def refuse(self, samples: list[Sample], reason: Count) -> int:
+        """Samples that must not be trained on, counted under ``reason``: their groups are
+        regenerated whole; how many (:meth:`Liveness.refuse`)."""
+        return self.liveness.refuse(samples, reason)
 
     def in_flight_samples(self, generator_id: str) -> int:
         """Samples handed to ``generator_id`` (training and eval) and not delivered yet."""
@@ -226,44 +222,10 @@ class BufferStore:
     def handed_out(self, meta: TrajectoryMeta) -> WorkItem | None:
         """The WorkItem of ``meta``'s group if that group is in flight to ``meta``'s
         generator (the one a sample of it may come from), else None."""
-        owner = self._claimant(meta)
+        owner = self.claimant(meta)
         return self.in_flight.item_for(meta) if owner is None else owner.handed_out(meta)
 
-    def _forget(self, generator_id: str) -> int:
-        """Stop tracking ``generator_id`` and requeue its unfinished groups (the sources'
-        own too); how many."""
-        self.last_seen.pop(generator_id, None)
-        groups = self.in_flight.of(generator_id)
-        for group in groups:
-            del self.in_flight[group.item.group_id]
-            self.counters[Count.DISCARDED_REQUEUE] += len(group.samples)
-            self.counters[Count.REQUEUED_GROUPS] += 1
-            self.requeued.put(group.item)
-        return len(groups) + sum(source.forget(generator_id) for source in self.sources)
-
-    def refuse(self, samples: list[Sample], reason: Count) -> int:
-        """Samples that must not be trained on: each counted under ``reason``, its group
-        regenerated whole (requeued, its partial samples discarded, as for a silent
-        generator). Returns the groups requeued."""
-        requeued = 0
-        for sample in samples:
-            self.counters[reason] += 1
-            meta = sample.meta
-            owner = self._claimant(meta)
-            if owner is not None:  # an eval round's: the source hands it out again
-                requeued += owner.forget(meta.generator_id)
-                continue
-            group = self.in_flight.get(meta.group_id)
-            if group is None or group.generator_id != meta.generator_id:
-                continue  # not in flight to its sender: nothing to requeue
-            del self.in_flight[meta.group_id]
-            self.counters[Count.DISCARDED_REQUEUE] += len(group.samples)
-            self.counters[Count.REQUEUED_GROUPS] += 1
-            self.requeued.put(group.item)
-            requeued += 1
-        return requeued
-
-    def _claimant(self, meta: TrajectoryMeta) -> WorkSource | None:
+    def claimant(self, meta: TrajectoryMeta) -> WorkSource | None:
         """The source whose own group ``meta``'s sample is of (an eval round's), if any."""
         return next((source for source in self.sources if source.claims(meta)), None)
 
@@ -340,7 +302,7 @@ class BufferStore:
                 self.heartbeat(generator_id, now)
         accepted = claimed = 0
         for sample in samples:
-            owner = self._claimant(sample.meta)
+            owner = self.claimant(sample.meta)
             if owner is not None:
                 claimed += owner.ingest(sample, now)
                 continue

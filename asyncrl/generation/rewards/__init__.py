@@ -31,6 +31,7 @@ The package, one job a module:
 - :mod:`.outcome`: :class:`Score`, its error tags, what counts as a reward;
 - :mod:`.scorer`: :class:`RewardScorer`, which runs functions in worker processes
   (its docstring lists what a misbehaving function costs);
+- :mod:`.tally`: what the scorer counts and logs of outcomes and workers' output;
 - :mod:`.processes`, :mod:`.channel`, :mod:`.worker`: a worker process, the frames
   between it and the scorer, and the worker's own side.
 """

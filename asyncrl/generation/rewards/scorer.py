@@ -18,7 +18,7 @@ In the last four cases the worker is replaced and the samples queued behind it g
 to the new one. Tags are counted in ``scorer.counters`` and logged (the first few
 of each kind with details); the run goes on. What a worker prints goes to a pipe
 the scorer reads: counted in ``worker_output_bytes``, with the first 2 KiB of it
-logged at most once a minute.
+logged at most once a minute (:mod:`asyncrl.generation.rewards.tally`).
 
 Threads could not do this: a thread stuck in a reward function cannot be
 stopped, and would keep its pool slot (and a core) for as long as it hangs. A
@@ -63,15 +63,12 @@ from asyncrl.generation.rewards.outcome import (
     clip,
 )
 from asyncrl.generation.rewards.processes import WorkerProcess, exit_description
+from asyncrl.generation.rewards.tally import Tally
 
 log = logging.getLogger("asyncrl.rewards")  # the name operators filter on, as before the split
 
-_LOGGED_PER_TAG = 5
 _BATCH = 256
 """Jobs per frame to a worker (a reply per job still resets its deadline)."""
-
-_OUTPUT_LOG_INTERVAL_S = 60.0
-"""At most one excerpt of the workers' output is logged per interval; the rest is counted."""
 
 
 @dataclass
@@ -134,6 +131,8 @@ class RewardScorer:
         self.counters: collections.Counter[str] = collections.Counter()
         """``scored``, ``errors``, one entry per error tag, ``workers_started``,
         ``worker_output_bytes``."""
+        self.tally = Tally(self.counters)
+        """Counts and logs each outcome and what the workers print (:mod:`.tally`)."""
         self._lock = threading.Lock()
         self._queue: collections.deque[_Job] = collections.deque()
         self._ids = itertools.count()
@@ -143,7 +142,6 @@ class RewardScorer:
         self._closed = False
         self._failed: str | None = None
         self._startup_failures = 0
-        self._output_logged_at = -math.inf
 
     @classmethod
     def from_config(cls, config) -> RewardScorer:
@@ -363,7 +361,7 @@ class RewardScorer:
         self._finish(job, Score(reward if error is None else 0.0, error, detail))
         worker.deadline = time.monotonic() + self.timeout_s if worker.jobs else math.inf
         if not worker.jobs:
-            self._flush_output(worker)
+            self.tally.output(worker)
         return True
 
     def _crashed(self, worker: WorkerProcess) -> None:
@@ -420,45 +418,12 @@ class RewardScorer:
 
     def _stop_worker(self, worker: WorkerProcess) -> None:
         worker.stop()
-        self._flush_output(worker)
+        self.tally.output(worker)
         if worker.output_fd is not None:
             worker.close_output()
 
-    # -- what workers print
-
-    def _flush_output(self, worker: WorkerProcess) -> None:
-        """Count what the worker printed, and log the start of it if no excerpt was logged
-        in the last minute: a chatty function cannot flood the generator's log."""
-        if not worker.output_bytes:
-            return
-        self.counters["worker_output_bytes"] += worker.output_bytes
-        now = time.monotonic()
-        if now - self._output_logged_at >= _OUTPUT_LOG_INTERVAL_S:
-            self._output_logged_at = now
-            shown = worker.output.decode(errors="replace")
-            more = worker.output_bytes - len(worker.output)
-            log.info(
-                "reward worker %d printed %d bytes%s (one excerpt a minute is logged):\n%s",
-                worker.process.pid,
-                worker.output_bytes,
-                f", {more} not shown" if more else "",
-                shown,
-            )
-        worker.output.clear()
-        worker.output_bytes = 0
-
     def _finish(self, job: _Job, score: Score) -> None:
-        if score.error is None:
-            self.counters["scored"] += 1
-        else:
-            self.counters["errors"] += 1
-            self.counters[score.error] += 1
-            if self.counters[score.error] <= _LOGGED_PER_TAG:
-                data_source = job.args[0]
-                log.warning(
-                    "reward %s (data_source %r): %s", score.error, data_source, score.detail
-                )
-                if self.counters[score.error] == _LOGGED_PER_TAG:
-                    log.warning("further %s errors are counted, not logged", score.error)
+        """Count and log ``score``, then settle ``job``'s future with it (once)."""
+        self.tally.outcome(score, data_source=job.args[0])
         if not job.future.done():
             job.future.set_result(score)

@@ -56,7 +56,7 @@ class Recorded(BufferService):
 
     def handle(self, identity: bytes, body, arrays=None) -> None:
         asyncio.run(self._handle(identity, body, arrays or {}))
-        asyncio.run(self._serve_held(time.monotonic()))  # as the serve loop does after each
+        asyncio.run(self.generators.serve_held(time.monotonic()))  # as the serve loop does
 
     def last(self, identity: bytes):
         return self.replies[identity][-1]
