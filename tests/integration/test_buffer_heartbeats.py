@@ -6,8 +6,6 @@ import functools
 import time
 
 import pytest
-from buffer_wire import buffer_config, exchange, send_samples
-from running_buffer import running_buffer
 
 from asyncrl.messages import (
     Ack,
@@ -23,6 +21,8 @@ from asyncrl.messages import (
     WorkRequest,
 )
 from asyncrl.security import GENERATOR
+from tests.helpers.buffer_wire import buffer_config, exchange, send_samples
+from tests.helpers.running_buffer import running_buffer
 
 pytestmark = pytest.mark.timeout(60)
 

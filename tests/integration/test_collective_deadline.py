@@ -8,16 +8,16 @@ import logging
 import multiprocessing
 import os
 import signal
-import sys
 import time
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
-from collective_testing import (
+from asyncrl.transport import free_port, tcp
+from asyncrl.weights import WeightPublisher
+from asyncrl.weights.collective_sender import CollectiveSender
+from tests.helpers.collective import (
     LEARNER_KEY,
     REPLICA_KEY,
     command,
@@ -25,10 +25,6 @@ from collective_testing import (
     version_tensors,
     wait_for,
 )
-
-from asyncrl.transport import free_port, tcp
-from asyncrl.weights import WeightPublisher
-from asyncrl.weights.collective_sender import CollectiveSender
 
 pytestmark = pytest.mark.slow
 

@@ -4,10 +4,8 @@ worker extension and loads the broadcast buckets in place; greedy generation fol
 from __future__ import annotations
 
 import importlib.util
-import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -18,9 +16,7 @@ from asyncrl.models import build_policy
 from asyncrl.weights.collective_receiver import CollectiveSource
 from asyncrl.weights.collective_sender import CollectiveSender
 from asyncrl.weights.snapshot import SnapshotStore
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
-from collective_testing import LEARNER_KEY, REPLICA_KEY
+from tests.helpers.collective import LEARNER_KEY, REPLICA_KEY
 
 pytestmark = [
     pytest.mark.slow,

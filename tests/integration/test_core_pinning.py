@@ -6,8 +6,9 @@ import json
 
 import psutil
 import pytest
-from run_processes import processes_of
-from test_launch_hardening import Launch
+
+from tests.helpers.run_processes import processes_of
+from tests.integration.test_launch_hardening import Launch
 
 pytestmark = pytest.mark.slow
 

@@ -13,9 +13,9 @@ import time
 
 import pytest
 import yaml
-from test_launch_end_to_end import REPO, processes_of
 
 from asyncrl.status import read_metrics
+from tests.integration.test_launch_end_to_end import REPO, processes_of
 
 pytestmark = pytest.mark.slow
 

@@ -4,9 +4,9 @@ learner, with the environment's reward and its counters in the metrics."""
 from __future__ import annotations
 
 import pytest
-from test_launch_end_to_end import REPO, launch, processes_of
 
 from asyncrl.status import read_metrics
+from tests.integration.test_launch_end_to_end import REPO, launch, processes_of
 
 pytestmark = pytest.mark.slow
 

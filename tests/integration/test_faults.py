@@ -16,7 +16,8 @@ disk), ``tests/unit/rewards/test_rewards.py`` (the scorer under a hanging or cra
 from __future__ import annotations
 
 import pytest
-from fault_harness import (
+
+from tests.integration.fault_harness import (
     EVERY,
     SLOW_CHUNK_S,
     Case,

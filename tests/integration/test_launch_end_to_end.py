@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from run_processes import processes_of
 
 from asyncrl.status import read_metrics
+from tests.helpers.run_processes import processes_of
 
 pytestmark = pytest.mark.slow
 

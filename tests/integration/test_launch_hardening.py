@@ -24,10 +24,10 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from run_processes import processes_of
-from test_ray import actor_process, assert_nothing_left, ray_temp_dir
 
 from asyncrl.status import read_metrics
+from tests.helpers.run_processes import processes_of
+from tests.integration.test_ray import actor_process, assert_nothing_left, ray_temp_dir
 
 pytestmark = pytest.mark.slow
 

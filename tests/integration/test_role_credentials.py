@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 import yaml
 import zmq
-from run_processes import processes_of
 
 from asyncrl.config import load_config
 from asyncrl.credentials import CREDENTIALS_FD_ENV
@@ -43,6 +42,7 @@ from asyncrl.messages import (
 from asyncrl.security import provision_run
 from asyncrl.status import read_metrics
 from asyncrl.transport import tcp
+from tests.helpers.run_processes import processes_of
 
 pytestmark = pytest.mark.slow
 

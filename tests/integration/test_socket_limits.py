@@ -17,9 +17,6 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 import zmq
-from buffer_wire import Peers, buffer_config, exchange, fresh_keys_dir
-from running_buffer import RunningBuffer, running_buffer
-from zmtp_stranger import Stranger, closed_by_server, endless_message, plain_login
 
 from asyncrl.config import ClusterConfig
 from asyncrl.message_limits import MIN_UNAUTHENTICATED, buffer_guard_limits
@@ -28,6 +25,9 @@ from asyncrl.security import GENERATOR, client_context
 from asyncrl.transport import client_socket, free_port, tcp
 from asyncrl.weights import WeightClient, WeightPublisher
 from asyncrl.weights.zmq_limits import FRAME_MAX_BYTES, HELD_BYTES, guard_limits
+from tests.helpers.buffer_wire import Peers, buffer_config, exchange, fresh_keys_dir
+from tests.helpers.running_buffer import RunningBuffer, running_buffer
+from tests.helpers.zmtp_stranger import Stranger, closed_by_server, endless_message, plain_login
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -22,8 +22,6 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
-from run_processes import processes_of
-from test_ray import QUICKSTART, FakeRay, FakeTaskError, RecordingConsole
 
 from asyncrl.config import load_config
 from asyncrl.paths import latest_checkpoint
@@ -31,6 +29,8 @@ from asyncrl.ray_run import RayRun
 from asyncrl.status import read_metrics
 from asyncrl.stop_signals import StopSignals
 from asyncrl.watchdog import START_FAILURES, START_TIMEOUT_S, Watchdog
+from tests.helpers.run_processes import processes_of
+from tests.integration.test_ray import QUICKSTART, FakeRay, FakeTaskError, RecordingConsole
 
 REPO = Path(__file__).resolve().parents[2]
 

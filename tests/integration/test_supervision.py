@@ -17,12 +17,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-from run_processes import processes_of
 
 from asyncrl.config import load_config
 from asyncrl.paths import latest_checkpoint
 from asyncrl.status import read_metrics
 from asyncrl.supervision import stop_timeout_s
+from tests.helpers.run_processes import processes_of
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,6 @@ from collections import Counter
 import pytest
 import torch
 import zmq
-from test_collective_vllm import BUCKET_BYTES, MODEL, engine_config, greedy
 
 from asyncrl.generators.engines import build_backend
 from asyncrl.models import build_policy
@@ -23,6 +22,7 @@ from asyncrl.weights.collective_receiver import CollectiveSource
 from asyncrl.weights.collective_sender import CollectiveSender
 from asyncrl.weights.snapshot import SnapshotStore
 from asyncrl.weights.zmq_source import ZmqSource
+from tests.integration.test_collective_vllm import BUCKET_BYTES, MODEL, engine_config, greedy
 
 pytestmark = [
     pytest.mark.slow,

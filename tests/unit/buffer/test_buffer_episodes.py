@@ -7,9 +7,6 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 import pytest
-from test_buffer_eval import eval_sample, eval_store, whole
-from test_buffer_eval_service import LEARNER, Recorded, samples_of
-from test_buffer_validation import check, held_store, message
 
 from asyncrl.buffer.metrics import episode_metrics, generators_summary
 from asyncrl.buffer.validation import check_stats
@@ -24,6 +21,9 @@ from asyncrl.messages import (
     decode,
     encode,
 )
+from tests.unit.buffer.test_buffer_eval import eval_sample, eval_store, whole
+from tests.unit.buffer.test_buffer_eval_service import LEARNER, Recorded, samples_of
+from tests.unit.buffer.test_buffer_validation import check, held_store, message
 
 
 def episode_meta(turns: int, calls: int, errors: int, finish_reason: str = "stop"):

@@ -10,11 +10,11 @@ import math
 
 import msgspec
 import pytest
-from buffer_samples import TIMEOUT, group_samples, make_sample, make_store
 
 from asyncrl.buffer.evaluation import metric_name
 from asyncrl.buffer.store import BufferStore, Sample
 from asyncrl.messages import WorkItem
+from tests.helpers.buffer_samples import TIMEOUT, group_samples, make_sample, make_store
 
 
 def eval_items(count: int = 2, samples: int = 2, sources: tuple[str, ...] = ("s",)) -> list:

@@ -8,10 +8,10 @@ import logging
 import time
 
 import pytest
-from test_buffer_eval_service import Recorded, samples_of
 
 from asyncrl.buffer.returns import Returns
 from asyncrl.messages import Ack, Heartbeat, Join, WorkRequest
+from tests.unit.buffer.test_buffer_eval_service import Recorded, samples_of
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import math
 import msgspec
 import numpy as np
 import pytest
-from buffer_samples import make_store
 
 from asyncrl.buffer.peers import RejectionLog
 from asyncrl.buffer.validation import (
@@ -36,6 +35,7 @@ from asyncrl.messages import (
     decode,
     encode,
 )
+from tests.helpers.buffer_samples import make_store
 
 VOCAB = 50
 LIMITS = Limits(
@@ -334,7 +334,7 @@ def test_rejections_are_logged_at_most_once_per_reason_per_interval(caplog):
 
 
 def test_a_batch_the_learner_could_not_be_sent_goes_back_at_once():
-    from test_buffer_eval_service import LEARNER, Recorded, samples_of
+    from tests.unit.buffer.test_buffer_eval_service import LEARNER, Recorded, samples_of
 
     class Unreachable(Recorded):
         async def _reply(self, identity: bytes, body, arrays=None) -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import zmq
-from test_episodes import ScriptedBackend
 
 from asyncrl.config import load_config
 from asyncrl.generators.worker import GeneratorReplica
@@ -24,6 +23,7 @@ from asyncrl.messages import (
     WorkRequest,
 )
 from asyncrl.tasks import build_tokenizer
+from tests.unit.generators.test_episodes import ScriptedBackend
 
 MESSAGES = [{"role": "user", "content": "123="}]
 EVAL_ITEM = WorkItem(-1, 2, [1, 4, 5, 6, 13], "234", "synthetic/digits", {}, MESSAGES, 3)
@@ -104,7 +104,7 @@ def run_replica(*overrides: str) -> list[TrajectoryMeta]:
     [
         [],
         [
-            "environment.name=test_episodes:CountdownEnv",
+            "environment.name=tests.unit.generators.test_episodes:CountdownEnv",
             "environment.formatter=plain",
             "environment.kwargs={turns: 2}",
         ],

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import zmq
-from test_episodes import ScriptedBackend
-from test_eval_replica import NoNewWeights
 
 from asyncrl.config import load_config
 from asyncrl.generators.worker import LEAVE_TIMEOUT_S, STOP_POLL_S, GeneratorReplica
 from asyncrl.tasks import build_tokenizer
+from tests.unit.generators.test_episodes import ScriptedBackend
+from tests.unit.generators.test_eval_replica import NoNewWeights
 
 
 class DeadBuffer:

@@ -11,13 +11,13 @@ together, after one round trip.
 from __future__ import annotations
 
 import zmq
-from test_episodes import ScriptedBackend
-from test_replica_splits_messages import finished_rollout
 
 from asyncrl.config import load_config
 from asyncrl.generators.worker import GeneratorReplica
 from asyncrl.messages import Ack, Leave, Trajectories, WorkGrant, WorkRequest
 from asyncrl.tasks import build_tokenizer
+from tests.unit.generators.test_episodes import ScriptedBackend
+from tests.unit.generators.test_replica_splits_messages import finished_rollout
 
 
 class OrderedBuffer:

@@ -9,7 +9,6 @@ frame stays within what the cap was derived from.
 from __future__ import annotations
 
 import zmq
-from test_eval_replica import NoNewWeights
 
 from asyncrl.config import load_config
 from asyncrl.generators.backend import Rollout
@@ -22,6 +21,7 @@ from asyncrl.message_limits import (
 )
 from asyncrl.messages import Ack, Trajectories, encode
 from asyncrl.tasks import build_tokenizer
+from tests.unit.generators.test_eval_replica import NoNewWeights
 
 PROMPT_LEN = 64
 RESPONSE_LEN = 2000

@@ -12,8 +12,6 @@ import time
 import msgspec
 import pytest
 from rich.console import Console
-from test_buffer_eval_service import LEARNER, Recorded, samples_of
-from test_eval_console import append, record
 
 from asyncrl.config import load_config, save_config
 from asyncrl.console import LiveConsole, PlainConsole
@@ -33,6 +31,8 @@ from asyncrl.messages import (
     encode,
 )
 from asyncrl.status import read_metrics, read_records, show
+from tests.unit.buffer.test_buffer_eval_service import LEARNER, Recorded, samples_of
+from tests.unit.run.test_eval_console import append, record
 
 EVAL = ("eval.every_steps=1", "eval.max_prompts=2")
 

@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-from learner_testing import TINY_LEARNER, synthetic_batch
 from torch.distributed.checkpoint import FileSystemReader
 
 from asyncrl import lora
@@ -21,6 +20,7 @@ from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.policy import Learner
 from asyncrl.models import build_policy
 from asyncrl.tasks import build_tokenizer
+from tests.helpers.learner import TINY_LEARNER, synthetic_batch
 
 peft = pytest.importorskip("peft")
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import test_preflight
-from test_preflight import config_for, jsonl, problems_of, row
 
 from asyncrl import preflight as preflight_module
 from asyncrl import tasks
@@ -27,6 +25,8 @@ from asyncrl.rewards import (
     reward_range,
 )
 from asyncrl.rewards.worker import score_one
+from tests.unit.run import test_preflight
+from tests.unit.run.test_preflight import config_for, jsonl, problems_of, row
 
 VERL_NAMES = {
     "openai/gsm8k": gsm8k_score,

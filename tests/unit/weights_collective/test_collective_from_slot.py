@@ -8,7 +8,6 @@ from collections import Counter
 
 import pytest
 import torch
-from collective_testing import LEARNER_KEY, command, running_replica, version_tensors, wait_for
 
 import asyncrl.weights.collective_outgoing as outgoing
 import asyncrl.weights.shm_writer as shm_writer
@@ -17,6 +16,13 @@ from asyncrl.weights.shm import PROGRESS_OFFSET
 from asyncrl.weights.shm_publisher import ShmPublisher
 from asyncrl.weights.shm_writer import ShmWriter
 from asyncrl.weights.snapshot import SnapshotStore
+from tests.helpers.collective import (
+    LEARNER_KEY,
+    command,
+    running_replica,
+    version_tensors,
+    wait_for,
+)
 
 WIDTH, LAYERS = 32, 4  # 4 KiB per square weight
 BUCKET_BYTES = 8 << 10

@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from collective_testing import command, running_replica, version_tensors
-from test_collective_from_slot import BUCKET_BYTES, LAYERS, WIDTH, assert_holds, learner
-from test_shm_refusals import NAN, tamper
 
 from asyncrl.weights.shm import SHM_DIR
+from tests.helpers.collective import command, running_replica, version_tensors
+from tests.unit.weights.test_shm_refusals import NAN, tamper
+from tests.unit.weights_collective.test_collective_from_slot import (
+    BUCKET_BYTES,
+    LAYERS,
+    WIDTH,
+    assert_holds,
+    learner,
+)
 
 pytestmark = pytest.mark.slow  # a spawned replica process
 
