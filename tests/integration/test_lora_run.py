@@ -21,8 +21,8 @@ from asyncrl import lora
 from asyncrl.config import load_config
 from asyncrl.models import build_policy
 from asyncrl.status import read_metrics
+from tests.helpers.faults import keep_base_env
 from tests.helpers.run_processes import processes_of
-from tests.integration.fault_harness import keep_base_env
 
 pytestmark = pytest.mark.slow
 peft = pytest.importorskip("peft")

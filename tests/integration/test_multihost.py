@@ -21,8 +21,8 @@ import pytest
 
 from asyncrl.testbed.hosts import unavailable_reason
 from asyncrl.testbed.ray_nodes import WORKER_PORTS
+from tests.helpers.faults import final_ledger
 from tests.helpers.multihost import Launch, cluster, logged_at
-from tests.integration.fault_harness import final_ledger
 
 WHY_NOT = unavailable_reason()
 pytestmark = [
