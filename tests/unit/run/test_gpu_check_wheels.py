@@ -24,10 +24,11 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "scripts"))
+from tests.helpers.scripts import script
 
-from import_graph import module_files, package_dirs  # noqa: E402  (scripts/ is not a package)
+ROOT = Path(__file__).resolve().parents[3]
+_graph = script("import_graph")
+module_files, package_dirs = _graph.module_files, _graph.package_dirs
 
 PACKAGES = Path(__file__).with_name("gpu_machine_packages.txt")
 WHEELS_SCRIPT = ROOT / "scripts" / "gpu_wheels.sh"
