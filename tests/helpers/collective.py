@@ -98,16 +98,6 @@ def command(pipe, *message, within_s: float = 120.0):
     return pipe.recv()
 
 
-def wait_for(predicate, within_s: float, every_s: float = 0.05) -> bool:
-    """Whether ``predicate()`` came true within ``within_s``."""
-    end = time.monotonic() + within_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(every_s)
-    return False
-
-
 def pause_after_buckets(count: int, pipe) -> None:
     """Make this process say ``("in_broadcast", count)`` once ``count`` buckets of a
     transfer arrived, then dawdle, so the test can SIGSTOP it in the middle."""

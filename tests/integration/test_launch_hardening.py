@@ -27,6 +27,7 @@ import yaml
 
 from asyncrl.status import read_metrics
 from tests.helpers.run_processes import processes_of
+from tests.helpers.waiting import wait_until
 from tests.integration.test_ray import actor_process, assert_nothing_left, ray_temp_dir
 
 pytestmark = pytest.mark.slow
@@ -61,11 +62,12 @@ class Launch:
         return len(read_metrics(self.run_dir))
 
     def wait_until(self, done, what: str, timeout_s: float = 180) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not done():
+        """Until ``done()``, as long as the launcher runs (else its stderr is the failure)."""
+
+        def still_running() -> None:
             assert self.process.poll() is None, self.stderr()
-            assert time.monotonic() < deadline, f"no {what} within {timeout_s}s"
-            time.sleep(0.1)
+
+        wait_until(done, timeout_s, what=what, every_s=0.1, while_waiting=still_running)
 
     def stderr(self) -> str:
         return self.err.read_text()

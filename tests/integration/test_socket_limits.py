@@ -11,8 +11,7 @@ go on being served. Memory figures, with the buffer in its own process, are in
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from asyncrl.weights import WeightClient, WeightPublisher
 from asyncrl.weights.zmq_limits import FRAME_MAX_BYTES, HELD_BYTES, guard_limits
 from tests.helpers.buffer_wire import Peers, buffer_config, exchange, fresh_keys_dir
 from tests.helpers.running_buffer import RunningBuffer, running_buffer
+from tests.helpers.waiting import wait_until
 from tests.helpers.zmtp_stranger import Stranger, closed_by_server, endless_message, plain_login
 
 pytestmark = pytest.mark.timeout(120)
@@ -41,13 +41,6 @@ def buffer(peers) -> Iterator[RunningBuffer]:
     with running_buffer(buffer_config(group_size=4)) as running:
         buffer_stats(running, peers)
         yield running
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def buffer_stats(buffer: RunningBuffer, peers: Peers) -> dict[str, float]:

@@ -26,6 +26,7 @@ from asyncrl.messages import WorkItem
 from asyncrl.models import build_policy
 from asyncrl.rewards import ERROR_EXCEPTION, ERROR_TIMEOUT, RewardScorer, Score
 from asyncrl.tasks import build_tokenizer
+from tests.helpers.waiting import wait_until as wait_for
 
 
 class CountdownEnv(Environment):
@@ -269,13 +270,6 @@ class StallingEnv(CountdownEnv):
 
 def said(text, group_id, samples=2):
     return WorkItem(group_id, samples, [1, 2, 3], "x", "d", {}, [{"role": "user", "content": text}])
-
-
-def wait_for(condition, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.01)
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@ from tests.helpers.collective import (
     command,
     running_replica,
     version_tensors,
-    wait_for,
 )
+from tests.helpers.waiting import came_true
 
 WIDTH, LAYERS = 32, 4  # 4 KiB per square weight
 BUCKET_BYTES = 8 << 10
@@ -102,7 +102,7 @@ def test_buckets_go_while_the_learner_is_still_writing_the_version(learner, repl
         replica.send(("sync", 30.0))
         # bytes of v2 leave while its last tensor is not even written
         sent = "weights_collective_bytes_sent_total"
-        assert wait_for(lambda: sender.stats()[sent] > sent_before, 30.0, 0.01)
+        assert came_true(lambda: sender.stats()[sent] > sent_before, 30.0, 0.01)
         assert not replica.poll(0.2)  # and the replica waits for the rest
     finally:
         last_allowed.set()
@@ -113,7 +113,7 @@ def test_buckets_go_while_the_learner_is_still_writing_the_version(learner, repl
     # the replica's answer comes first
     counted = {"weights_collective_transfers_finished_total": 2,
                "weights_collective_transfers_followed_total": 1}  # fmt: skip
-    wait_for(lambda: all(sender.stats().get(k, 0) == n for k, n in counted.items()), 30.0, 0.01)
+    came_true(lambda: all(sender.stats().get(k, 0) == n for k, n in counted.items()), 30.0, 0.01)
     stats = sender.stats()
     assert {key: stats.get(key, 0) for key in counted} == counted
 
@@ -149,7 +149,7 @@ def test_the_first_bytes_go_while_the_learner_is_still_writing_the_first_tensor(
         assert first_piece_written.wait(30)
         replica.send(("sync", 30.0))
         # "scale" and the first 256 bytes of "0.weight" leave; the next piece waits for its
-        assert wait_for(lambda: sender.stats()[sent] - sent_before == 12 + 256, 30.0, 0.01)
+        assert came_true(lambda: sender.stats()[sent] - sent_before == 12 + 256, 30.0, 0.01)
         assert not replica.poll(0.2)
         assert sender.stats()[sent] - sent_before == 12 + 256
     finally:
@@ -183,7 +183,7 @@ def test_a_version_rewritten_while_sent_is_refused_and_read_again(learner, repli
     assert partial is True and held == 1  # received into the model: a mix, not claimed
     # the sender counts it after the verdict the replica already acted on
     overwritten = "weights_collective_transfers_overwritten_total"
-    assert wait_for(lambda: sender.stats().get(overwritten) == 1, 10.0), sender.stats()
+    assert came_true(lambda: sender.stats().get(overwritten) == 1, 10.0), sender.stats()
     assert sender.stats()["weights_collective_members"] == 1  # the group is sound and stays
 
     monkeypatch.setattr(outgoing.SlotVersion, "intact", real_intact)
