@@ -14,15 +14,15 @@ from asyncrl.envs.threads import StepPool
 from asyncrl.generators.episodes import ERROR_ENVIRONMENT, Episodes, episode_counts
 from asyncrl.messages import MAX_EPISODE_COUNT, EpisodeCounts
 from asyncrl.tasks import build_tokenizer
-from tests.unit.generators.test_episodes import (
+from tests.helpers.generators import (
     CountdownEnv,
     ScriptedBackend,
     drive,
     item,
     make_episodes,
+    run_replica,
     said,
 )
-from tests.unit.generators.test_eval_replica import run_replica
 
 STEP_S = 0.05
 
@@ -83,7 +83,7 @@ def test_an_environment_s_odd_counts_are_clamped_to_what_the_buffer_accepts():
 @pytest.mark.parametrize("multi_turn", [True, False], ids=["multi-turn", "one turn"])
 def test_the_replica_sends_each_sample_s_counts_and_none_for_a_single_turn(multi_turn):
     environment = [
-        "environment.name=tests.unit.generators.test_episodes:CountdownEnv",
+        "environment.name=tests.helpers.generators:CountdownEnv",
         "environment.formatter=plain",
         "environment.kwargs={turns: 2}",
     ]

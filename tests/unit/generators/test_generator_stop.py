@@ -8,8 +8,7 @@ import zmq
 from asyncrl.config import load_config
 from asyncrl.generators.worker import LEAVE_TIMEOUT_S, STOP_POLL_S, GeneratorReplica
 from asyncrl.tasks import build_tokenizer
-from tests.unit.generators.test_episodes import ScriptedBackend
-from tests.unit.generators.test_eval_replica import NoNewWeights
+from tests.helpers.generators import NoNewWeights, ScriptedBackend
 
 
 class DeadBuffer:

@@ -8,7 +8,7 @@ import torch
 
 from asyncrl.generators import hf_backend
 from asyncrl.generators.hf_backend import Rollout
-from tests.unit.generators.test_hf_backend import make_backend, recompute
+from tests.helpers.generators import make_backend, recompute
 
 torch.set_num_threads(1)
 

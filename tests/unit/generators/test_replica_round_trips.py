@@ -16,8 +16,7 @@ from asyncrl.config import load_config
 from asyncrl.generators.worker import GeneratorReplica
 from asyncrl.messages import Ack, Leave, Trajectories, WorkGrant, WorkRequest
 from asyncrl.tasks import build_tokenizer
-from tests.unit.generators.test_episodes import ScriptedBackend
-from tests.unit.generators.test_replica_splits_messages import finished_rollout
+from tests.helpers.generators import ScriptedBackend, finished_rollout
 
 
 class OrderedBuffer:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import zmq
 
 from asyncrl.config import load_config
-from asyncrl.generators.backend import Rollout
 from asyncrl.generators.worker import GeneratorReplica
 from asyncrl.message_limits import (
     GENERATOR_HEADER_BYTES,
@@ -21,10 +20,8 @@ from asyncrl.message_limits import (
 )
 from asyncrl.messages import Ack, Trajectories, encode
 from asyncrl.tasks import build_tokenizer
-from tests.unit.generators.test_eval_replica import NoNewWeights
+from tests.helpers.generators import PROMPT_LEN, RESPONSE_LEN, NoNewWeights, finished_rollout
 
-PROMPT_LEN = 64
-RESPONSE_LEN = 2000
 SAMPLES = 40
 """40 samples of 2,064 tokens: about 1 MB of token columns, four times one message's."""
 
@@ -53,21 +50,6 @@ class FixedBackend:
     tokenizer = build_tokenizer()
     version = 0
     last_load_s = 0.0
-
-
-def finished_rollout(group_id: int) -> Rollout:
-    return Rollout(
-        group_id,
-        0,
-        [1] * PROMPT_LEN,
-        "234",
-        "synthetic/digits",
-        response_ids=[5] * RESPONSE_LEN,
-        logprobs=[-0.5] * RESPONSE_LEN,
-        token_versions=[0] * RESPONSE_LEN,
-        loss_mask=[1] * RESPONSE_LEN,
-        finish_reason="length",
-    )
 
 
 def test_many_long_samples_go_in_several_messages_each_within_the_frame_cap():
