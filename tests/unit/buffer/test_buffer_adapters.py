@@ -17,7 +17,7 @@ from asyncrl.messages import (
     WorkRequest,
 )
 from asyncrl.wire import WireError
-from tests.unit.buffer.test_buffer_eval_service import LEARNER, Recorded, samples_of
+from tests.helpers.buffer_service import LEARNER, Recorded, samples_of
 
 V1 = "0123456789abcdef" * 2
 LORA = ("model.lora.rank=4",)

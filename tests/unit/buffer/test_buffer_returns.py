@@ -11,7 +11,7 @@ import pytest
 
 from asyncrl.buffer.returns import Returns
 from asyncrl.messages import Ack, Heartbeat, Join, WorkRequest
-from tests.unit.buffer.test_buffer_eval_service import Recorded, samples_of
+from tests.helpers.buffer_service import Recorded, samples_of
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.tasks import eval_work_items, work_item_factory
-from tests.unit.tasks.test_data import chat_tokenizer, row, write_jsonl
+from tests.helpers.data import chat_tokenizer, row, write_jsonl
 
 TINY = "model.tiny={}"
 

@@ -31,8 +31,8 @@ from asyncrl.messages import (
     encode,
 )
 from asyncrl.status import read_metrics, read_records, show
-from tests.unit.buffer.test_buffer_eval_service import LEARNER, Recorded, samples_of
-from tests.unit.run.test_eval_console import append, record
+from tests.helpers.buffer_service import LEARNER, Recorded, samples_of
+from tests.helpers.console import append, record
 
 EVAL = ("eval.every_steps=1", "eval.max_prompts=2")
 

@@ -13,8 +13,8 @@ from asyncrl.learner.batch import collate
 from asyncrl.learner.batch_source import Fetched
 from asyncrl.learner.step_log import StepLog
 from asyncrl.messages import BatchRequest, EpisodeCounts, WorkRequest, decode, encode
-from tests.unit.buffer.test_buffer_episodes import episodes_of
-from tests.unit.buffer.test_buffer_eval_service import LEARNER, Recorded
+from tests.helpers.buffer_samples import episodes_of
+from tests.helpers.buffer_service import LEARNER, Recorded
 
 
 class KeepsArrays(Recorded):

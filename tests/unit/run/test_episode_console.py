@@ -8,8 +8,7 @@ from rich.console import Console
 
 from asyncrl.config import load_config
 from asyncrl.console import LiveConsole, PlainConsole, step_line
-from tests.unit.run.test_console import RECORD
-from tests.unit.run.test_eval_console import append, record
+from tests.helpers.console import RECORD, append, record
 
 EPISODES = {
     "episode_turns_mean": 2.125, "episode_tool_calls_mean": 1.5,
