@@ -16,7 +16,7 @@ from asyncrl.transport import free_port, tcp
 from asyncrl.weights import WeightClient, WeightPublisher
 from asyncrl.weights.checks import WeightsRefused
 from asyncrl.weights.zmq_source import ZmqSource
-from tests.unit.weights.test_shm_refusals import EMBEDDING, holds, make_backend, published, sample
+from tests.helpers.weights import EMBEDDING, holds, make_backend, published, sample
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import torch
 
 from asyncrl.weights.shm import SHM_DIR
 from tests.helpers.collective import command, running_replica, version_tensors
-from tests.unit.weights.test_shm_refusals import NAN, tamper
+from tests.helpers.weights import NAN, tamper
 from tests.unit.weights_collective.test_collective_from_slot import (
     BUCKET_BYTES,
     LAYERS,
