@@ -15,14 +15,14 @@ import pytest
 
 from asyncrl.paths import checkpoint_dir, latest_checkpoint
 from asyncrl.status import read_metrics
-from tests.helpers.run_processes import processes_of
-from tests.integration.test_supervision import (
+from tests.helpers.launches import (
     COMMON,
     Launch,
     assert_each_group_trained_once,
     start,
     trained_groups,
 )
+from tests.helpers.run_processes import processes_of
 
 pytestmark = pytest.mark.slow
 

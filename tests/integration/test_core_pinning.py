@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 from tests.helpers.run_processes import processes_of
-from tests.integration.test_launch_hardening import Launch
+from tests.helpers.watched_launch import Launch
 
 pytestmark = pytest.mark.slow
 

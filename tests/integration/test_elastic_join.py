@@ -14,8 +14,9 @@ import pytest
 import yaml
 
 from asyncrl.status import read_metrics
+from tests.helpers.launches import REPO
+from tests.helpers.run_processes import processes_of
 from tests.helpers.waiting import wait_until
-from tests.integration.test_launch_end_to_end import REPO, processes_of
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.status import read_metrics
-from tests.integration.test_launch_end_to_end import REPO, launch, processes_of
+from tests.helpers.launches import REPO, launch
+from tests.helpers.run_processes import processes_of
 
 pytestmark = pytest.mark.slow
 

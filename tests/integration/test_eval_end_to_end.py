@@ -15,8 +15,8 @@ from asyncrl.config import config_from_dict, load_config
 from asyncrl.launch import stop_timeout_s
 from asyncrl.status import read_metrics, read_records
 from asyncrl.tasks import eval_work_items, work_item_factory
-from tests.integration.test_launch_end_to_end import launch, processes_of
-from tests.integration.test_supervision import start
+from tests.helpers.launches import launch, start
+from tests.helpers.run_processes import processes_of
 
 pytestmark = pytest.mark.slow
 

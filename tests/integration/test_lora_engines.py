@@ -16,13 +16,7 @@ from asyncrl.config import GeneratorsConfig, LoraConfig
 from asyncrl.learner.algorithms.logprobs import token_logprobs
 from asyncrl.messages import BASE_DIGEST
 from asyncrl.models import build_policy
-from tests.integration.test_backend_contract import (
-    BLOCK,
-    ENGINES,
-    MODEL,
-    make_rollouts,
-    run_to_completion,
-)
+from tests.helpers.engines import BLOCK, ENGINES, MODEL, make_rollouts, run_to_completion
 
 peft = pytest.importorskip("peft")
 

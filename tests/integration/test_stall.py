@@ -29,8 +29,8 @@ from asyncrl.ray_run import RayRun
 from asyncrl.status import read_metrics
 from asyncrl.stop_signals import StopSignals
 from asyncrl.watchdog import START_FAILURES, START_TIMEOUT_S, Watchdog
+from tests.helpers.ray_runs import QUICKSTART, FakeRay, FakeTaskError, RecordingConsole
 from tests.helpers.run_processes import processes_of
-from tests.integration.test_ray import QUICKSTART, FakeRay, FakeTaskError, RecordingConsole
 
 REPO = Path(__file__).resolve().parents[2]
 

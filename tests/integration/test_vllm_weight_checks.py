@@ -22,7 +22,7 @@ from asyncrl.weights.collective_receiver import CollectiveSource
 from asyncrl.weights.collective_sender import CollectiveSender
 from asyncrl.weights.snapshot import SnapshotStore
 from asyncrl.weights.zmq_source import ZmqSource
-from tests.integration.test_collective_vllm import BUCKET_BYTES, MODEL, engine_config, greedy
+from tests.helpers.vllm_weights import BUCKET_BYTES, MODEL, engine_config, greedy
 
 pytestmark = [
     pytest.mark.slow,
