@@ -175,3 +175,16 @@ def replica_main(
             )
     source.close()
     context.destroy(linger=0)
+
+
+# ----------------------------------------- the from-slot tests' versions
+
+WIDTH, LAYERS = 32, 4  # 4 KiB per square weight
+BUCKET_BYTES = 8 << 10
+
+
+def assert_holds(pipe, version: int) -> None:
+    status, state, held = command(pipe, "params")
+    assert status == "ok" and held == version
+    for name, tensor in version_tensors(version, WIDTH, LAYERS).items():
+        assert torch.equal(state[name], tensor), name

@@ -4,65 +4,22 @@ progress, and a version rewritten while it was sent is refused by the verdict.""
 from __future__ import annotations
 
 import threading
-from collections import Counter
 
 import pytest
-import torch
 
 import asyncrl.weights.collective_outgoing as outgoing
 import asyncrl.weights.shm_writer as shm_writer
-from asyncrl.weights.collective_sender import CollectiveSender
 from asyncrl.weights.shm import PROGRESS_OFFSET
-from asyncrl.weights.shm_publisher import ShmPublisher
-from asyncrl.weights.shm_writer import ShmWriter
-from asyncrl.weights.snapshot import SnapshotStore
 from tests.helpers.collective import (
-    LEARNER_KEY,
+    BUCKET_BYTES,
+    LAYERS,
+    WIDTH,
+    assert_holds,
     command,
     running_replica,
     version_tensors,
 )
 from tests.helpers.waiting import came_true
-
-WIDTH, LAYERS = 32, 4  # 4 KiB per square weight
-BUCKET_BYTES = 8 << 10
-
-
-class _Zmq:
-    """The ZeroMQ publisher's part the shm sink feeds: its snapshots."""
-
-    def __init__(self):
-        self.snapshots = SnapshotStore(1 << 22, Counter())
-        self.version = 0
-
-    def publish(self, tensors, version: int) -> float:
-        self.snapshots.publish(dict(tensors), version)
-        self.version = version
-        return 0.0
-
-    def stats(self) -> dict[str, float]:
-        return {}
-
-    def close(self) -> None:
-        pass
-
-
-@pytest.fixture
-def learner(tmp_path):
-    zmq = _Zmq()
-    sink = ShmPublisher(zmq, ShmWriter(tmp_path))
-    sender = CollectiveSender(
-        zmq.snapshots,
-        "127.0.0.1",
-        0,
-        LEARNER_KEY,
-        bucket_bytes=BUCKET_BYTES,
-        deadline_s=30.0,
-        run_dir=tmp_path,
-    )
-    yield sink, sender
-    sender.close()
-    sink.close()
 
 
 @pytest.fixture
@@ -70,13 +27,6 @@ def replica(learner):
     _, sender = learner
     with running_replica(sender.address, BUCKET_BYTES, WIDTH, layers=LAYERS, homing=True) as pipe:
         yield pipe
-
-
-def assert_holds(pipe, version: int) -> None:
-    status, state, held = command(pipe, "params")
-    assert status == "ok" and held == version
-    for name, tensor in version_tensors(version, WIDTH, LAYERS).items():
-        assert torch.equal(state[name], tensor), name
 
 
 @pytest.mark.timeout(180)

@@ -8,19 +8,18 @@ import pytest
 import torch
 
 from asyncrl.weights.shm import SHM_DIR
-from tests.helpers.collective import command, running_replica, version_tensors
-from tests.helpers.weights import NAN, tamper
-from tests.unit.weights_collective.test_collective_from_slot import (
+from tests.helpers.collective import (
     BUCKET_BYTES,
     LAYERS,
     WIDTH,
     assert_holds,
-    learner,
+    command,
+    running_replica,
+    version_tensors,
 )
+from tests.helpers.weights import NAN, tamper
 
 pytestmark = pytest.mark.slow  # a spawned replica process
-
-__all__ = ["learner"]  # the fixture: the test process is the learner
 
 
 @pytest.mark.timeout(180)
