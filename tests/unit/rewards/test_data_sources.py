@@ -25,8 +25,7 @@ from asyncrl.rewards import (
     reward_range,
 )
 from asyncrl.rewards.worker import score_one
-from tests.unit.run import test_preflight
-from tests.unit.run.test_preflight import config_for, jsonl, problems_of, row
+from tests.helpers.preflight import character_tokenizer_dir, config_for, jsonl, problems_of, row
 
 VERL_NAMES = {
     "openai/gsm8k": gsm8k_score,
@@ -89,7 +88,7 @@ def test_an_environment_default_score_resolves_the_same_way():
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """test_preflight's character tokenizer, with a chat template."""
-    return test_preflight.tokenizer_dir.__wrapped__(tmp_path_factory)
+    return character_tokenizer_dir(tmp_path_factory)
 
 
 @pytest.fixture(autouse=True)
