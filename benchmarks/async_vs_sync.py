@@ -99,9 +99,9 @@ def engine_generation_s(config_path: Path, overrides: list[str], repeats: int) -
     import torch
 
     from asyncrl.config import load_config
+    from asyncrl.generation.models import build_policy
+    from asyncrl.generation.tasks import work_item_factory
     from asyncrl.generators.hf_backend import HFBackend, Rollout
-    from asyncrl.models import build_policy
-    from asyncrl.tasks import work_item_factory
 
     config = load_config(config_path, overrides)
     torch.set_num_threads(config.generators.num_threads)

@@ -10,7 +10,7 @@
 Processes, all on 127.0.0.1:
 
 - buffer: the production service, started as ``asyncrl launch`` starts it
-  (``python -m asyncrl.roles buffer RUN_DIR`` with a resolved ``config.yaml``
+  (``python -m asyncrl.run.roles buffer RUN_DIR`` with a resolved ``config.yaml``
   holding ``cluster.keys_dir``, and handed its credentials over a pipe by
   ``provision_run`` and ``handed_over``, as the launcher does): it
   authenticates every peer and validates every message
@@ -22,7 +22,7 @@ Processes, all on 127.0.0.1:
   both held by it as the launcher would hand them to each): as a generator
   (role ``generator``, one incarnation from ``new_incarnation``) it asks for
   work (``WorkRequest``), sends one ``Trajectories`` message per group or per
-  trajectory for the granted groups (encoded by ``asyncrl.messages.encode``, as
+  trajectory for the granted groups (encoded by ``asyncrl.core.messages.encode``, as
   a generator does), waits for every ``Ack``; and as the learner (role
   ``learner``) it asks for batches (``BatchRequest``).
 
@@ -78,8 +78,8 @@ import zmq
 
 from asyncrl.buffer.validation import model_vocab_size
 from asyncrl.config import Config, load_config, save_config
-from asyncrl.credentials import Credentials, handed_over, hold
-from asyncrl.messages import (
+from asyncrl.core.credentials import Credentials, handed_over, hold
+from asyncrl.core.messages import (
     Ack,
     BatchRequest,
     Trajectories,
@@ -91,9 +91,9 @@ from asyncrl.messages import (
     encode,
     new_incarnation,
 )
-from asyncrl.security import GENERATOR, LEARNER, client_context, provision_run
-from asyncrl.tasks import work_item_factory
-from asyncrl.transport import client_socket, free_port, tcp
+from asyncrl.core.security import GENERATOR, LEARNER, client_context, provision_run
+from asyncrl.core.transport import client_socket, free_port, tcp
+from asyncrl.generation.tasks import work_item_factory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
@@ -528,7 +528,7 @@ def echo_main(endpoint: str) -> None:
 def in_process_batches(config: Config, vocab: int, levels: list[int], reps: int) -> list[dict]:
     """``take_batch`` latency, and the service's whole answer minus the socket, by held samples."""
     from asyncrl.buffer.main import build_store
-    from asyncrl.trajectory import join_samples, split_samples
+    from asyncrl.core.trajectory import join_samples, split_samples
 
     rng = np.random.default_rng(1)
     tokens = 256
@@ -614,7 +614,7 @@ def make_config(run_dir: Path) -> tuple[Config, Credentials]:
 def buffer_process(run_dir: Path, credentials: Credentials) -> Iterator[subprocess.Popen]:
     log = (run_dir / "buffer.log").open("w")
     env = os.environ | {"ASYNCRL_LOG_LEVEL": "WARNING"}
-    command = [sys.executable, "-m", "asyncrl.roles", "buffer", str(run_dir)]
+    command = [sys.executable, "-m", "asyncrl.run.roles", "buffer", str(run_dir)]
     with handed_over(credentials.for_role("buffer")) as handover:
         process = subprocess.Popen(
             command,
@@ -732,7 +732,7 @@ def markdown(result: dict) -> str:
         f"load average {m['loadavg_start'][0]:.1f} at the start (the machine is shared). "
         "Raw JSON: [`docs/benchmarks/buffer.json`](benchmarks/buffer.json).",
         "",
-        "The buffer is the production service in its own process (`python -m asyncrl.roles "
+        "The buffer is the production service in its own process (`python -m asyncrl.run.roles "
         "buffer RUN_DIR`), authenticating its peers with the run's secret and validating every "
         "message; a separate sender process, with the generator's and the learner's "
         "credentials, asks it for work and sends real `Trajectories` messages (prompt ids, "

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from asyncrl import status
+from asyncrl.run import status
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,9 +97,9 @@ def _schedstat(pid: int) -> tuple[int, int] | None:
 
 def role_name(cmdline: list[str]) -> str | None:
     """``learner``, ``buffer`` or ``generator-<pool->N`` from a role process's command line."""
-    if "asyncrl.roles" not in cmdline:
+    if "asyncrl.run.roles" not in cmdline:
         return None
-    args = cmdline[cmdline.index("asyncrl.roles") + 1 :]
+    args = cmdline[cmdline.index("asyncrl.run.roles") + 1 :]
     if not args:
         return None
     role = args[0]

@@ -132,7 +132,7 @@ def cell(text: str, limit: int = 220) -> str:
 
 
 def strip_log_prefix(line: str) -> str:
-    """``2026-01-01 10:00:00,000 generator-0 WARNING asyncrl.rewards: x`` -> ``x``."""
+    """``2026-01-01 10:00:00,000 generator-0 WARNING asyncrl.generation.rewards: x`` -> ``x``."""
     head, sep, tail = line.partition(": ")
     return tail if sep and head.count(" ") >= 3 and head[:4].isdigit() else line
 

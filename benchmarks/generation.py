@@ -31,9 +31,9 @@ import torch
 import zmq
 
 from asyncrl.config import GeneratorsConfig, ModelConfig, TinyModelConfig
+from asyncrl.core.transport import free_port, tcp
+from asyncrl.generation.models import build_policy
 from asyncrl.generators.hf_backend import HFBackend, Rollout
-from asyncrl.models import build_policy
-from asyncrl.transport import free_port, tcp
 from asyncrl.weights import WeightClient, WeightPublisher
 
 MODELS = {

@@ -165,8 +165,8 @@ def learner_step(
 ) -> None:
     """The learner's bf16 FSDP2 step (one rank) on a ``shape`` model: tokens/s, MFU, memory;
     with ``lora_rank``, peft's adapters on every linear layer train and the base is frozen."""
-    from asyncrl import lora
     from asyncrl.config import LoraConfig, load_config
+    from asyncrl.generation import lora
     from asyncrl.learner import distributed, sharding
     from asyncrl.learner.update import Update
 
@@ -253,8 +253,8 @@ def generation(
     """HF generation of ``batch`` samples at once, by the backend (chunks of
     ``chunk_tokens``, each re-encoding its prefix) and by one ``generate`` call, in bf16."""
     from asyncrl.config import GeneratorsConfig
+    from asyncrl.generation.tasks import build_tokenizer
     from asyncrl.generators.hf_backend import HFBackend, Rollout
-    from asyncrl.tasks import build_tokenizer
 
     sampling = GeneratorsConfig(
         max_new_tokens=new_tokens, chunk_tokens=chunk_tokens, max_active_samples=batch,

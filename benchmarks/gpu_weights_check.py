@@ -5,9 +5,9 @@ the same bytes.
 
 - ``d2h``: the tensors copied into warm host buffers, pinned and pageable: the limit of
   the shm path's first half (on a CPU rehearsal, a memory copy);
-- ``shm``: :class:`~asyncrl.weights.shm_publisher.ShmPublisher` fed the GPU tensors
+- ``shm``: :class:`~asyncrl.weights.shm.publisher.ShmPublisher` fed the GPU tensors
   themselves (its write into the segment is the copy to the host), a replica process
-  following the write with :class:`~asyncrl.weights.shm_reader.ShmSource` into a module
+  following the write with :class:`~asyncrl.weights.shm.reader.ShmSource` into a module
   of the policy's names and shapes on the GPU, loaded as the HF backend loads;
 - ``cuda_ipc``: the learner hands the replica IPC handles of its tensors
   (:mod:`asyncrl.weights.cuda_ipc`); the replica maps them and copies them device to
@@ -45,7 +45,7 @@ GB = 1e9
 
 def weights_publish(figures: Figures, device: str, shape: str, repeats: int) -> None:
     """Publish to loaded by shm and CUDA IPC against a device-to-host copy (module docstring)."""
-    from asyncrl.models import tied_names
+    from asyncrl.generation.models import tied_names
 
     model = qwen2_model(shape, device, torch.float32)  # the learner's fp32 weights
     tied = tied_names(model)
@@ -212,7 +212,7 @@ def replica_main(conn, device: str) -> None:
                 backend = weights_paths.ModuleBackend(module)
                 reply = "ok"
             elif kind == "open":
-                from asyncrl.weights.shm_reader import ShmSource
+                from asyncrl.weights.shm.reader import ShmSource
 
                 source, reply = ShmSource(Path(args[0])), "ok"
             elif kind == "close":

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import moving_average
 
-from asyncrl.status import read_records
+from asyncrl.run.status import read_records
 
 
 def eval_rounds(records: list[dict]) -> list[dict]:

@@ -67,8 +67,8 @@ def measure(mode: str, steps: int, threads: int) -> dict:
     """One mode in this process: the figures of :func:`main`'s table."""
     import torch
 
-    from asyncrl import lora
     from asyncrl.config import load_config
+    from asyncrl.generation import lora
     from asyncrl.learner import distributed
     from asyncrl.learner.policy import Learner
 

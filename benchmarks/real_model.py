@@ -126,8 +126,8 @@ class Prompts:
     files rendered with the model's chat template, in the run's shuffled order)."""
 
     def __init__(self, config: Config):
-        from asyncrl.data import DataError
-        from asyncrl.tasks import work_item_factory
+        from asyncrl.generation.data import DataError
+        from asyncrl.generation.tasks import work_item_factory
 
         try:
             self.factory = work_item_factory(config)
@@ -153,9 +153,9 @@ def make_rollouts(prompts: list[list[int]], group_size: int) -> list[Rollout]:
 def make_batch(rollouts: list[Rollout], rewards: list[float], pad_id: int):
     """The learner's ``TrainBatch`` of finished rollouts, by the path a batch takes in a
     run: a replica's ``package``, ``encode``/``decode`` on the wire, ``collate``."""
+    from asyncrl.core.messages import Trajectories, decode, encode
     from asyncrl.generators.worker import GeneratorReplica
     from asyncrl.learner.batch import collate
-    from asyncrl.messages import Trajectories, decode, encode
 
     replica = SimpleNamespace(stats=Counter(), eval_rounds={}, generator_id="benchmark")
     scores = [(reward, None, None) for reward in rewards]
@@ -361,8 +361,8 @@ def engine_worker(conn, config: Config, threads: int, work_dir: str, seed: int) 
     disables ``torch.set_num_threads`` in it). Answers commands until ``None``."""
     torch.set_num_threads(threads)
     try:
+        from asyncrl.generation.models import build_policy
         from asyncrl.generators.backend import build_backend
-        from asyncrl.models import build_policy
 
         started = time.perf_counter()
         model, tokenizer = build_policy(config.model, config.run.seed)
@@ -650,8 +650,8 @@ def part_logprobs(args, engines: Engines, learners: Learners, prompts: Prompts) 
 
 
 def part_publish(args, engines: Engines, learners: Learners) -> dict:
+    from asyncrl.core.transport import free_port, tcp
     from asyncrl.learner.publisher import Publisher
-    from asyncrl.transport import free_port, tcp
     from asyncrl.weights import WeightPublisher
 
     learner = learners.get("fp32")

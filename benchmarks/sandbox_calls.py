@@ -19,7 +19,7 @@
 
 To compare against another checkout, run the same script there with
 ``PYTHONPATH`` pointing at it (the kill measure needs this checkout's
-``asyncrl.envs.sandbox.launch``), alternating the two, on the same machine.
+``asyncrl.generation.envs.sandbox.launch``), alternating the two, on the same machine.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import statistics
 import time
 from pathlib import Path
 
-from asyncrl.envs.sandbox import Sandbox
+from asyncrl.generation.envs.sandbox import Sandbox
 
 TREE = r"""
 import ctypes, os, signal, time
@@ -94,7 +94,7 @@ def per_call(sandbox: Sandbox, calls: int, cpu_used) -> tuple[list[float], list[
 
 
 def time_to_kill(sandbox: Sandbox, calls: int) -> tuple[list[float], str]:
-    from asyncrl.envs.sandbox import launch
+    from asyncrl.generation.envs.sandbox import launch
 
     first_stop: dict[int, float] = {}
     timings: list[float] = []

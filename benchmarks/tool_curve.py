@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import moving_average
 from learning_curve import eval_rounds, summarise
 
-from asyncrl.status import read_records
+from asyncrl.run.status import read_records
 
 SMOOTH = 10
 """Training series are drawn as the mean of this many steps."""

@@ -33,9 +33,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from asyncrl.core.messages import TensorEntry  # noqa: E402
+from asyncrl.generation.models import load_pretrained, tied_names  # noqa: E402
 from asyncrl.generators.backend import load_module_in_parts  # noqa: E402
-from asyncrl.messages import TensorEntry  # noqa: E402
-from asyncrl.models import load_pretrained, tied_names  # noqa: E402
 from asyncrl.weights.checks import check_layout, engine_layout, nonfinite  # noqa: E402
 from asyncrl.weights.layout import TORCH_DTYPES  # noqa: E402
 

@@ -16,7 +16,7 @@ shapes). Per link (plain veth, then ``tbf`` on b's cable at 1 and at 10 Gbit/s,
 
 - ``zmq``: the learner's ZeroMQ publisher listening on 10.77.0.1 with CURVE, as a run
   must beyond loopback (``cluster.bind`` not loopback forces it; keys from
-  ``asyncrl.security.generate_keys``), the replica connecting as a generator;
+  ``asyncrl.core.security.generate_keys``), the replica connecting as a generator;
 - ``zmq (no CURVE)``: the same without authentication (what ``weights_publish.py``
   measures on loopback; a run cannot do this across hosts): the cost of CURVE;
 - ``collective``: the shm sink with the gloo broadcast beside it, group store on
@@ -281,7 +281,7 @@ def machine() -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     from asyncrl.config import ClusterConfig
-    from asyncrl.security import generate_keys
+    from asyncrl.core.security import generate_keys
     from asyncrl.testbed.hosts import TestBed, unavailable_reason
 
     reason = unavailable_reason()

@@ -140,15 +140,15 @@ def open_source(path: str, where, name: str, context):
     """The replica's source of ``path``; ``where`` is what the learner's sink told it."""
     if path == "zmq":
         from asyncrl.weights import WeightClient
-        from asyncrl.weights.zmq_source import ZmqSource
+        from asyncrl.weights.zmq.source import ZmqSource
 
         return ZmqSource(WeightClient(context, where, timeout_s=600.0))
     if path == "shm":
-        from asyncrl.weights.shm_reader import ShmSource
+        from asyncrl.weights.shm.reader import ShmSource
 
         return ShmSource(Path(where))
-    from asyncrl.weights.collective import GroupAddress
-    from asyncrl.weights.collective_receiver import CollectiveSource
+    from asyncrl.weights.collective.groups import GroupAddress
+    from asyncrl.weights.collective.receiver import CollectiveSource
 
     address, key, bucket_bytes = where
     return CollectiveSource(GroupAddress(*address), key, name, bucket_bytes=bucket_bytes)
@@ -180,7 +180,7 @@ def replica_main(conn, name: str, netns: str | None = None) -> None:
             elif kind == "open":
                 path, where, *cluster = args
                 if cluster and cluster[0] is not None:
-                    from asyncrl.security import GENERATOR, client_context
+                    from asyncrl.core.security import GENERATOR, client_context
 
                     secured = client_context(cluster[0], GENERATOR)
                 source = open_source(path, where, name, secured or context)
@@ -299,10 +299,10 @@ class Sink:
         host: str = "127.0.0.1",
         cluster: ClusterConfig | None = None,
     ):
-        from asyncrl.transport import free_port, tcp
+        from asyncrl.core.transport import free_port, tcp
         from asyncrl.weights import WeightPublisher
-        from asyncrl.weights.shm_publisher import ShmPublisher
-        from asyncrl.weights.shm_writer import ShmWriter
+        from asyncrl.weights.shm.publisher import ShmPublisher
+        from asyncrl.weights.shm.writer import ShmWriter
 
         self.path = path
         self.run_dir = Path(tempfile.mkdtemp(prefix="asyncrl-bench-"))  # 0700
@@ -315,8 +315,8 @@ class Sink:
             self.sink = ShmPublisher(self.zmq, ShmWriter(self.run_dir))
             self.where = str(self.run_dir)
         if path == "collective":
-            from asyncrl.signing import group_key_pair
-            from asyncrl.weights.collective_sender import CollectiveSender, WithBroadcast
+            from asyncrl.core.signing import group_key_pair
+            from asyncrl.weights.collective.sender import CollectiveSender, WithBroadcast
 
             learner_key, replica_key = group_key_pair(
                 secrets.token_bytes(32), secrets.token_bytes(32)
@@ -441,7 +441,7 @@ def _gloo_group(store, rank: int, timeout_s: float = 120.0):
     options = dist.ProcessGroupGloo._Options()
     options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     options._timeout = datetime.timedelta(seconds=timeout_s)
-    options._threads = 1  # as asyncrl.weights.collective.make_group
+    options._threads = 1  # as asyncrl.weights.collective.groups.make_group
     return dist.ProcessGroupGloo(store, rank, 2, options)
 
 

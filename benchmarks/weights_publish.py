@@ -214,8 +214,8 @@ class LoraTrainer(RealTrainer):
     backward through peft's layers, fused AdamW over the adapters only."""
 
     def __init__(self, tokens: int):
-        from asyncrl import lora
         from asyncrl.config import LoraConfig
+        from asyncrl.generation import lora
 
         super().__init__(real_params(), tokens)
         self.model = lora.with_adapters(self.model, LoraConfig(rank=LORA_RANK), seed=0).train()
@@ -227,8 +227,8 @@ def lora_params() -> dict[str, torch.Tensor]:
     """The adapters the learner publishes for the real policy at rank 16 (random values)."""
     from transformers import AutoModelForCausalLM
 
-    from asyncrl import lora
     from asyncrl.config import LoraConfig
+    from asyncrl.generation import lora
 
     model = AutoModelForCausalLM.from_pretrained(REAL_DIR, dtype=torch.float32)
     adapters = lora.inject_adapters(model, LoraConfig(rank=LORA_RANK)).state_dict()

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from asyncrl.messages import BASE_DIGEST
-from asyncrl.trajectory import Sample, is_model_token
+from asyncrl.core.messages import BASE_DIGEST
+from asyncrl.core.trajectory import Sample, is_model_token
 
 KEEP_VERSIONS = 64
 """Announced versions remembered: far more than any staleness bound lets a sample span."""

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 
 from asyncrl.buffer.counters import Count
 from asyncrl.buffer.groups import Group, group_version
-from asyncrl.trajectory import UNVERSIONED
+from asyncrl.core.trajectory import UNVERSIONED
 
 if TYPE_CHECKING:
     from asyncrl.config import BufferConfig
-    from asyncrl.trajectory import Sample
+    from asyncrl.core.trajectory import Sample
 
 
 class ReadyGroups:

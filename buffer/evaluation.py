@@ -40,8 +40,8 @@ import msgspec
 import numpy as np
 
 from asyncrl.buffer.metrics import episode_figures
-from asyncrl.messages import NOT_EVAL, EpisodeCounts, TrajectoryMeta, WorkItem
-from asyncrl.trajectory import is_model_token
+from asyncrl.core.messages import NOT_EVAL, EpisodeCounts, TrajectoryMeta, WorkItem
+from asyncrl.core.trajectory import is_model_token
 
 _NAN = float("nan")
 """A figure with nothing to measure: ``null`` in metrics.jsonl."""

@@ -15,11 +15,11 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from asyncrl.buffer.counters import Count
-from asyncrl.messages import TrajectoryMeta, WorkItem
+from asyncrl.core.messages import TrajectoryMeta, WorkItem
 
 if TYPE_CHECKING:
     from asyncrl.config import BufferConfig
-    from asyncrl.trajectory import Sample
+    from asyncrl.core.trajectory import Sample
 
 FILTERS = ("truncated", "equal_rewards")
 """Filter reasons; each is counted as ``filtered_<reason>``."""

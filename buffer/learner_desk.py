@@ -23,7 +23,7 @@ from asyncrl.buffer.durable import write_atomically
 from asyncrl.buffer.held import HeldRequests, HeldResultsRequest
 from asyncrl.buffer.metrics import episode_metrics
 from asyncrl.buffer.store import BufferStore
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     Ack,
     BatchRequest,
     EvalResults,
@@ -33,8 +33,8 @@ from asyncrl.messages import (
     Trajectories,
     WireError,
 )
-from asyncrl.paths import BUFFER_STATE, checkpoint_dir
-from asyncrl.trajectory import join_samples
+from asyncrl.core.paths import BUFFER_STATE, checkpoint_dir
+from asyncrl.core.trajectory import join_samples
 
 log = logging.getLogger("asyncrl.buffer")
 

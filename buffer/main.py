@@ -1,6 +1,6 @@
 """The buffer process: build the store a run's config describes, resume it, serve.
 
-``asyncrl.roles`` starts the buffer role with :func:`run`; tests and benchmarks
+``asyncrl.run.roles`` starts the buffer role with :func:`run`; tests and benchmarks
 build the same store with :func:`build_store`.
 """
 
@@ -18,9 +18,9 @@ import uvloop
 from asyncrl.buffer.service import BufferService
 from asyncrl.buffer.store import BufferStore
 from asyncrl.config import Config
-from asyncrl.messages import WorkItem
-from asyncrl.paths import BUFFER_STATE
-from asyncrl.transport import tcp
+from asyncrl.core.messages import WorkItem
+from asyncrl.core.paths import BUFFER_STATE
+from asyncrl.core.transport import tcp
 
 log = logging.getLogger("asyncrl.buffer")
 
@@ -33,7 +33,7 @@ def build_store(
     """The store a run's ``buffer`` section describes, handing out ``make_item(index)``;
     eval rounds run on ``eval_items`` (None: the ``eval`` section's prompts)."""
     if eval_items is None:
-        from asyncrl.tasks import eval_work_items
+        from asyncrl.generation.tasks import eval_work_items
 
         eval_items = eval_work_items(config)
     return BufferStore(config.buffer, make_item, config.algorithm.samples_per_step, eval_items)
@@ -60,7 +60,7 @@ def restore_from(store: BufferStore, checkpoint: Path) -> None:
 
 def run(config: Config, run_dir: Path, resume_from: Path | None = None) -> None:
     """Serve until SIGTERM; with ``resume_from`` (a checkpoint), continue its dataset state."""
-    from asyncrl.tasks import work_item_factory
+    from asyncrl.generation.tasks import work_item_factory
 
     store = build_store(config, work_item_factory(config))
     if resume_from is not None:

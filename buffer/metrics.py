@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 from asyncrl.buffer.counters import REPORTED, Count
 from asyncrl.buffer.groups import SKIP_REASONS
 from asyncrl.buffer.validation import replica_stat_reduce
-from asyncrl.messages import EpisodeCounts, TrajectoryMeta
-from asyncrl.reductions import Reduce, Reduction, Stat
+from asyncrl.core.messages import EpisodeCounts, TrajectoryMeta
+from asyncrl.core.reductions import Reduce, Reduction, Stat
 
 if TYPE_CHECKING:
     from asyncrl.buffer.store import BufferStore

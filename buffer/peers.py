@@ -14,7 +14,7 @@ import logging
 from collections import Counter
 
 from asyncrl.buffer.validation import check_generator_id
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     AdapterPublished,
     BatchRequest,
     EvalResultsRequest,
@@ -29,7 +29,7 @@ from asyncrl.messages import (
     WorkRequest,
     _Body,
 )
-from asyncrl.security import GENERATOR, LEARNER, OBSERVER
+from asyncrl.core.security import GENERATOR, LEARNER, OBSERVER
 
 log = logging.getLogger("asyncrl.buffer")
 

@@ -32,7 +32,7 @@ groups are requeued at once (``buffer_generators_replaced``). Samples are
 checked whole before any is stored (:mod:`asyncrl.buffer.validation`), and the
 learner's version may only move by one (``bad_version``). Before any of that, the
 socket caps each frame, the connections in their handshake and the bytes a connection
-holds unread (:mod:`asyncrl.connection_guard`, limits from :mod:`asyncrl.message_limits`).
+holds unread (:mod:`asyncrl.core.connection_guard`, limits from :mod:`asyncrl.core.message_limits`).
 
 A ``WorkRequest`` with ``wait_s > 0`` that finds nothing to hand out is held
 (:mod:`asyncrl.buffer.held`) rather than answered, and tried again whenever
@@ -65,7 +65,6 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from asyncrl import progress
 from asyncrl.buffer.adapters import AdapterLedger
 from asyncrl.buffer.counters import Count
 from asyncrl.buffer.held import HeldRequest, HeldRequests
@@ -84,9 +83,10 @@ from asyncrl.buffer.validation import (
     sender_of,
 )
 from asyncrl.config import Config
-from asyncrl.connection_guard import ConnectionGuard
-from asyncrl.message_limits import BUFFER_HEADER_BYTES, buffer_guard_limits
-from asyncrl.messages import (
+from asyncrl.core import progress
+from asyncrl.core.connection_guard import ConnectionGuard
+from asyncrl.core.message_limits import BUFFER_HEADER_BYTES, buffer_guard_limits
+from asyncrl.core.messages import (
     Ack,
     AdapterPublished,
     BatchRequest,
@@ -108,9 +108,9 @@ from asyncrl.messages import (
     decode,
     encode,
 )
-from asyncrl.security import peer_role, secure_server
-from asyncrl.trajectory import Sample
-from asyncrl.trajectory import split_samples as split_samples  # benchmarks import it
+from asyncrl.core.security import peer_role, secure_server
+from asyncrl.core.trajectory import Sample
+from asyncrl.core.trajectory import split_samples as split_samples  # benchmarks import it
 
 log = logging.getLogger("asyncrl.buffer")
 
@@ -135,7 +135,7 @@ one peer stays bounded by this many messages."""
 MAX_HEADER_BYTES = BUFFER_HEADER_BYTES
 """The largest header frame the buffer decodes (``oversized`` beyond): a generator's
 message of its most samples (``MAX_SAMPLES_PER_MESSAGE``) has a header of about 100 KB.
-Every frame is capped by the socket first (:mod:`asyncrl.message_limits`)."""
+Every frame is capped by the socket first (:mod:`asyncrl.core.message_limits`)."""
 MAX_IN_FLIGHT_FACTOR = 4
 """A generator may hold at most this many times the largest pool's
 ``generators.max_active_samples`` in flight (samples handed to it, not yet delivered):

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Protocol
 
 from asyncrl.buffer.counters import Count
 from asyncrl.buffer.evaluation import EvalRounds
-from asyncrl.messages import NOT_EVAL, TrajectoryMeta, WorkItem
+from asyncrl.core.messages import NOT_EVAL, TrajectoryMeta, WorkItem
 
 if TYPE_CHECKING:
-    from asyncrl.trajectory import Sample
+    from asyncrl.core.trajectory import Sample
 
 
 @dataclass

@@ -102,8 +102,8 @@ from asyncrl.buffer.groups import SKIP_REASONS as SKIP_REASONS  # tests import i
 from asyncrl.buffer.groups import Group, InFlight, filter_reason
 from asyncrl.buffer.metrics import IngestRate, store_metrics
 from asyncrl.buffer.sources import Ask, EvalRoundSource, NewPrompts, RequeuedGroups, WorkSource
-from asyncrl.messages import TrajectoryMeta, WorkItem
-from asyncrl.trajectory import Sample
+from asyncrl.core.messages import TrajectoryMeta, WorkItem
+from asyncrl.core.trajectory import Sample
 
 if TYPE_CHECKING:
     from asyncrl.config import BufferConfig

@@ -65,9 +65,9 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from asyncrl.messages import EpisodeCounts, Trajectories, TrajectoryMeta, WireError, WorkItem
-from asyncrl.reductions import Reduce
-from asyncrl.trajectory import (
+from asyncrl.core.messages import EpisodeCounts, Trajectories, TrajectoryMeta, WireError, WorkItem
+from asyncrl.core.reductions import Reduce
+from asyncrl.core.trajectory import (
     ENV_VERSION,
     ColumnLengthError,
     Columns,
@@ -75,7 +75,7 @@ from asyncrl.trajectory import (
     is_model_token,
     split_samples,
 )
-from asyncrl.weight_messages import WEIGHT_SYNC_STATS
+from asyncrl.core.weight_messages import WEIGHT_SYNC_STATS
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
@@ -176,7 +176,7 @@ def model_vocab_size(config: Config) -> int | None:
     any id below it. If the config cannot be read, the tokenizer's length stands in;
     if neither can, None (logged): token ids are then only checked to be ``>= 0``.
     """
-    from asyncrl.tasks import build_tokenizer, prompt_tokenizer
+    from asyncrl.generation.tasks import build_tokenizer, prompt_tokenizer
 
     name = config.model.name_or_path
     if name is None:

@@ -14,7 +14,7 @@ reward is 1 for a right guess, less 0.1 for each extra turn it took.
 
 import re
 
-from asyncrl.envs import Environment, StepResult
+from asyncrl.generation.envs import Environment, StepResult
 
 
 class GuessNumberEnv(Environment):

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from asyncrl.messages import EpisodeCounts
+    from asyncrl.core.messages import EpisodeCounts
 
 
 @dataclass

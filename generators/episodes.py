@@ -9,15 +9,15 @@ turns, the environment answers them, and the rollout grows as one token sequence
           └── reply tokens appended ◀────────┘ (or the episode is over: scored, a sample)
 
 Each sample of a group is its own episode with a fresh environment
-(:func:`asyncrl.envs.factory.environment_factory`), driven by an
-:class:`~asyncrl.envs.rollout.EpisodeRunner`, which owns the token rules:
+(:func:`asyncrl.generation.envs.factory.environment_factory`), driven by an
+:class:`~asyncrl.generation.envs.rollout.EpisodeRunner`, which owns the token rules:
 the prefix never changes, model tokens have loss mask 1 and their own
 log-probs and versions, environment tokens mask 0, log-prob 0, version -1.
 The rollout mirrors the runner's sequence, so partial rollouts work across
 turns exactly as within one: a weight update between chunks changes the
 version of later tokens and nothing else.
 
-The environment's code runs on threads (:class:`~asyncrl.envs.threads.StepPool`,
+The environment's code runs on threads (:class:`~asyncrl.generation.envs.threads.StepPool`,
 ``environment.workers``), never on the replica's loop, so a slow tool call
 holds back only its own episode. ``start`` hands back a rollout that is not the
 backend's yet (``finish_reason`` ``"starting"``) while the environment is made
@@ -38,9 +38,9 @@ turns, tool calls, tool errors) to the buffer, which reports them per batch and 
 eval round. ``stats["tool_s"]`` is the seconds the environment threads spent in
 ``reset`` and ``step`` calls, to set against the replica's ``busy_s`` (generating).
 
-An episode that ends with a :class:`~asyncrl.envs.base.ScoreRequest` (the
+An episode that ends with a :class:`~asyncrl.generation.envs.base.ScoreRequest` (the
 tool environment's final answer, when its reward function has a name) is
-scored by the replica's :class:`~asyncrl.rewards.RewardScorer`, in its worker
+scored by the replica's :class:`~asyncrl.generation.rewards.RewardScorer`, in its worker
 processes with ``reward.timeout_s``, like a single-turn sample; its reward is
 what the environment gave on the way plus that score, and a reward function
 that fails or hangs scores the episode 0 with the scorer's error tag.
@@ -55,16 +55,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.envs.base import ScoreRequest
-from asyncrl.envs.config import EnvironmentConfig
-from asyncrl.envs.factory import environment_factory
-from asyncrl.envs.formatting import Codec, build_formatter
-from asyncrl.envs.rollout import EpisodeRunner
-from asyncrl.envs.threads import Job, StepPool
+from asyncrl.config.environment import EnvironmentConfig
+from asyncrl.core.messages import MAX_EPISODE_COUNT, EpisodeCounts, WorkItem
+from asyncrl.core.trajectory import ENV_VERSION
+from asyncrl.generation.envs.base import ScoreRequest
+from asyncrl.generation.envs.factory import environment_factory
+from asyncrl.generation.envs.formatting import Codec, build_formatter
+from asyncrl.generation.envs.rollout import EpisodeRunner
+from asyncrl.generation.envs.threads import Job, StepPool
+from asyncrl.generation.rewards import RewardScorer, Score
 from asyncrl.generators.backend import Rollout
-from asyncrl.messages import MAX_EPISODE_COUNT, EpisodeCounts, WorkItem
-from asyncrl.rewards import RewardScorer, Score
-from asyncrl.trajectory import ENV_VERSION
 
 log = logging.getLogger("asyncrl.episodes")
 

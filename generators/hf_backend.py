@@ -22,7 +22,7 @@ after it in the same chunk is dropped, log-probs with it. ``abort`` from another
 thread ends the chosen rows at the next token (a stopping criterion).
 
 With LoRA adapters published alone, the model gets peft's LoRA layers (all zero: the
-base) and each version loads into them alone (:class:`~asyncrl.lora.AdapterWeights`,
+base) and each version loads into them alone (:class:`~asyncrl.generation.lora.AdapterWeights`,
 what every weight path sees as the engine's tensors); the forward is peft's, the
 learner's. After each load the adapter is read back from the model and digested
 (``adapter_digest``): what the replica reports to the buffer for that version.
@@ -40,8 +40,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from asyncrl import lora
 from asyncrl.config import GeneratorsConfig, LoraConfig
+from asyncrl.generation import lora
 from asyncrl.generators.backend import (
     Rollout,
     StopStrings,

@@ -23,8 +23,8 @@ import time
 
 import zmq
 
-from asyncrl.messages import Ack, Heartbeat
-from asyncrl.transport import RequestClient
+from asyncrl.core.messages import Ack, Heartbeat
+from asyncrl.core.transport import RequestClient
 
 log = logging.getLogger("asyncrl.generator")
 

@@ -3,7 +3,7 @@
 The launcher starts one with :func:`run` (endpoints from the run's config); a
 replica started by hand joins a live run with :func:`join` (the buffer tells it
 where the weights are). Both end in :func:`serve`, which turns SIGTERM or
-SIGINT (:class:`~asyncrl.stop_signals.StopSignals`) into the replica's
+SIGINT (:class:`~asyncrl.core.stop_signals.StopSignals`) into the replica's
 ``stopping``: the loop ends at the next chunk, and the replica says ``Leave`` so
 the buffer hands its unfinished groups out at once. The loop itself is
 :class:`~asyncrl.generators.worker.GeneratorReplica`.
@@ -21,18 +21,22 @@ from urllib.parse import urlsplit
 import torch
 
 from asyncrl.config import Config
-from asyncrl.cores import torch_threads
-from asyncrl.envs.formatting import TemplateFormatError, TemplateFormatter, build_formatter
+from asyncrl.core.cores import torch_threads
+from asyncrl.core.messages import Join, Joined, new_incarnation
+from asyncrl.core.paths import replica_name
+from asyncrl.core.security import GENERATOR, client_context
+from asyncrl.core.stop_signals import ROLE_SIGNALS, StopSignals
+from asyncrl.core.transport import RequestClient, tcp
+from asyncrl.generation.envs.formatting import (
+    TemplateFormatError,
+    TemplateFormatter,
+    build_formatter,
+)
+from asyncrl.generation.models import build_policy
 from asyncrl.generators.engines import build_backend
 from asyncrl.generators.liveness import HeartbeatThread
 from asyncrl.generators.worker import GeneratorReplica
-from asyncrl.messages import Join, Joined, new_incarnation
-from asyncrl.models import build_policy
-from asyncrl.paths import replica_name
-from asyncrl.security import GENERATOR, client_context
-from asyncrl.stop_signals import ROLE_SIGNALS, StopSignals
-from asyncrl.transport import RequestClient, tcp
-from asyncrl.weights.collective_receiver import replica_source
+from asyncrl.weights.collective.receiver import replica_source
 
 log = logging.getLogger("asyncrl.generator")
 

@@ -79,12 +79,12 @@ from pathlib import Path
 
 import torch
 
-from asyncrl import lora
 from asyncrl.config import GeneratorsConfig, LoraConfig
+from asyncrl.core.messages import BASE_DIGEST
+from asyncrl.generation import lora
+from asyncrl.generation.models import tied_names
 from asyncrl.generators.backend import Rollout, StopStrings, append_tokens, check_state_dict
-from asyncrl.messages import BASE_DIGEST
-from asyncrl.models import tied_names
-from asyncrl.weights.collective_buckets import Spec
+from asyncrl.weights.collective.buckets import Spec
 from asyncrl.weights.layout import TORCH_DTYPES
 
 log = logging.getLogger("asyncrl.generators.vllm")

@@ -7,7 +7,7 @@ in-memory loads, called through ``collective_rpc`` on the collective path:
 
 - ``asyncrl_join_group``: the worker connects to the learner's group store and
   becomes rank ``1 + its rank`` of the group the replica was granted
-  (:mod:`asyncrl.weights.collective`); gloo on CPU, NCCL on CUDA, by the
+  (:mod:`asyncrl.weights.collective.groups`); gloo on CPU, NCCL on CUDA, by the
   worker's device;
 - ``asyncrl_receive``: the worker receives the offer's buckets one by one and
   hands each bucket's tensors to vLLM's in-place reload (``reload_weights``
@@ -42,7 +42,14 @@ import torch.distributed as dist
 
 from asyncrl.generators.vllm_backend import WeightLoaderExtension
 from asyncrl.weights.checks import NONFINITE, WeightsRefused, nonfinite
-from asyncrl.weights.collective import (
+from asyncrl.weights.collective.buckets import (
+    VERDICT_INTACT,
+    Offer,
+    piece_ranges,
+    seal,
+    unseal,
+)
+from asyncrl.weights.collective.groups import (
     GroupAddress,
     broadcast,
     connect_store,
@@ -50,14 +57,7 @@ from asyncrl.weights.collective import (
     local_address_towards,
     make_group,
 )
-from asyncrl.weights.collective_buckets import (
-    VERDICT_INTACT,
-    Offer,
-    piece_ranges,
-    seal,
-    unseal,
-)
-from asyncrl.weights.collective_receiver import tensor_views
+from asyncrl.weights.collective.receiver import tensor_views
 from asyncrl.weights.source import WeightTransferError
 
 if TYPE_CHECKING:

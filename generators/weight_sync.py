@@ -35,7 +35,7 @@ chain has more than one path, ``weights_loads_<path>``; from the shm path,
 ``weights_shm_overlaps`` (reads a write overlapped, read again) and
 ``weights_shm_followed`` (loads that followed the learner's write); per path and reason
 ``weights_<path>_refused_<nonfinite|layout>`` and in all ``weights_refused`` (versions
-refused by the checks): every name is in :data:`asyncrl.weight_messages.WEIGHT_SYNC_STATS`.
+refused by the checks): every name is in :data:`asyncrl.core.weight_messages.WEIGHT_SYNC_STATS`.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ import logging
 import time
 from collections import Counter
 
-from asyncrl.connection_guard import RateLimitedLog
+from asyncrl.core.connection_guard import RateLimitedLog
+from asyncrl.core.weight_messages import WEIGHT_SYNC_STATS
 from asyncrl.generators.backend import Backend
-from asyncrl.weight_messages import WEIGHT_SYNC_STATS
 from asyncrl.weights.checks import REFUSAL_LOG_INTERVAL_S, WeightsRefused, since
 from asyncrl.weights.source import Loaded, PathUnavailable, WeightSource, WeightTransferError
 

@@ -44,13 +44,10 @@ import msgspec
 import numpy as np
 import zmq
 
-from asyncrl import progress
 from asyncrl.config import Config
-from asyncrl.generators.backend import Backend, Rollout
-from asyncrl.generators.episodes import Episodes
-from asyncrl.generators.weight_sync import WeightSync
-from asyncrl.message_limits import split_for_sending
-from asyncrl.messages import (
+from asyncrl.core import progress
+from asyncrl.core.message_limits import split_for_sending
+from asyncrl.core.messages import (
     MAX_ADAPTER_DIGESTS,
     NOT_EVAL,
     Ack,
@@ -60,14 +57,17 @@ from asyncrl.messages import (
     WorkGrant,
     WorkRequest,
 )
-from asyncrl.rewards import RewardScorer, Score
-from asyncrl.trajectory import build_columns
-from asyncrl.transport import RequestClient
-from asyncrl.waiting import Waited, wait_with_stop
+from asyncrl.core.trajectory import build_columns
+from asyncrl.core.transport import RequestClient
+from asyncrl.core.waiting import Waited, wait_with_stop
+from asyncrl.generation.rewards import RewardScorer, Score
+from asyncrl.generators.backend import Backend, Rollout
+from asyncrl.generators.episodes import Episodes
+from asyncrl.generators.weight_sync import WeightSync
 from asyncrl.weights import WeightClient
 from asyncrl.weights.paths import replica_sources
 from asyncrl.weights.source import WeightSource
-from asyncrl.weights.zmq_source import ZmqSource
+from asyncrl.weights.zmq.source import ZmqSource
 
 log = logging.getLogger("asyncrl.generator")
 
@@ -86,7 +86,7 @@ def waiting_for_weights() -> None:
 
 
 class BufferReply:
-    """A ``ready`` for :func:`~asyncrl.waiting.wait_with_stop` that receives the buffer's
+    """A ``ready`` for :func:`~asyncrl.core.waiting.wait_with_stop` that receives the buffer's
     answer in slices. A receive that times out has blocked for its whole slice, so the
     slices asked for are the time waited: :meth:`waited` is the wait's clock."""
 
@@ -159,7 +159,7 @@ class GeneratorReplica:
         self.stats["chunk_s_max"] = 0.0  # the longest engine call: liveness must not mind it
         self.started_at = time.monotonic()
         self.scorer = RewardScorer.from_config(config.reward)
-        """Scores finished samples in worker processes, off this loop (asyncrl.rewards)."""
+        """Scores finished samples in worker processes, off this loop (asyncrl.generation.rewards)."""
         self.scoring: list[tuple[Rollout, Future]] = []
         """Finished samples waiting for their reward."""
         self.extra_info: dict[int, list] = {}
@@ -428,7 +428,7 @@ class GeneratorReplica:
     def send(self, finished: list[Rollout], wait_s: float = SCORE_WAIT_S) -> None:
         """Ask for the rewards of ``finished``; send every sample whose reward is in after
         at most ``wait_s`` (sooner once all are), in messages that fit the buffer's frame cap
-        (:func:`~asyncrl.message_limits.split_for_sending`)."""
+        (:func:`~asyncrl.core.message_limits.split_for_sending`)."""
         decode = self.backend.tokenizer.decode
         samples = []
         for r in finished:

@@ -1,7 +1,7 @@
 """A batch from the buffer as padded tensors for one forward pass: the padded-batch stage.
 
 The trajectory's columns and the rule for its version live in
-:mod:`asyncrl.trajectory`; this module only lays them out on the learner's
+:mod:`asyncrl.core.trajectory`; this module only lays them out on the learner's
 device. :func:`collate` copies each flat column to the device once and
 scatters it into place there, so rank 0's batch never goes through padded
 host tensors first.
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncrl.messages import ArrayFrame, TrajectoryMeta
-from asyncrl.trajectory import (
+from asyncrl.core.messages import ArrayFrame, TrajectoryMeta
+from asyncrl.core.trajectory import (
     ENV_VERSION,
     UNVERSIONED,
     Columns,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from asyncrl import progress
+from asyncrl.core import progress
 from asyncrl.learner import distributed
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.distributed import Ranks

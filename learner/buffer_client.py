@@ -1,7 +1,7 @@
 """Rank 0's line to the buffer: batches, eval rounds and the buffer's part of a checkpoint.
 
-Every wait is stoppable (:func:`~asyncrl.waiting.wait_with_stop`): SIGTERM
-(:class:`~asyncrl.stop_signals.StopSignals`) abandons a batch still awaited within
+Every wait is stoppable (:func:`~asyncrl.core.waiting.wait_with_stop`): SIGTERM
+(:class:`~asyncrl.core.stop_signals.StopSignals`) abandons a batch still awaited within
 ``STOP_POLL_S``, and cuts any other wait for the buffer to at most
 ``FINAL_SAVE_TIMEOUT_S``, so a dead buffer never holds a stopping learner.
 """
@@ -13,8 +13,7 @@ from collections.abc import Callable
 import torch
 import zmq
 
-from asyncrl.learner.batch import TrainBatch, collate
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     Ack,
     AdapterPublished,
     BatchRequest,
@@ -25,8 +24,9 @@ from asyncrl.messages import (
     Trajectories,
     WireError,
 )
-from asyncrl.transport import RequestClient
-from asyncrl.waiting import Waited, wait_with_stop
+from asyncrl.core.transport import RequestClient
+from asyncrl.core.waiting import Waited, wait_with_stop
+from asyncrl.learner.batch import TrainBatch, collate
 
 STOP_POLL_S = 0.2
 """While rank 0 waits for a batch, how often it checks whether it was asked to stop."""

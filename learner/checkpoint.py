@@ -12,7 +12,7 @@ A checkpoint is a directory ``RUN_DIR/checkpoints/step-000040`` holding:
   without naming it),
 - ``COMPLETE``: written last, once every rank has finished. A directory
   without it (a crash mid-save) is ignored by
-  :func:`asyncrl.paths.latest_checkpoint`.
+  :func:`asyncrl.core.paths.latest_checkpoint`.
 
 A learner whose parameters or optimizer state hold a NaN or an infinity
 writes no checkpoint (:func:`save` returns False and logs which tensors): a
@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from asyncrl.paths import (
+from asyncrl.core.paths import (
     BUFFER_STATE,
     COMPLETE,
     TRAINED_GROUPS,

@@ -15,11 +15,11 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
-from asyncrl import progress
+from asyncrl.core import progress
+from asyncrl.core.paths import checkpoint_dir
 from asyncrl.learner import buffer_client, checkpoint
 from asyncrl.learner.buffer_client import BufferStateNotSaved
 from asyncrl.learner.policy import Learner
-from asyncrl.paths import checkpoint_dir
 
 log = logging.getLogger("asyncrl.learner")
 

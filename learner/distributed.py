@@ -32,8 +32,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from asyncrl.core.paths import LEARNER_STORE_ENV as STORE_ENV
 from asyncrl.learner.batch import TrainBatch
-from asyncrl.paths import LEARNER_STORE_ENV as STORE_ENV
 
 LOOPBACK = "lo"
 SOCKET_IFNAME_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")

@@ -3,7 +3,7 @@
 Right after publishing version ``V`` with ``V % eval.every_steps == 0`` (and
 at ``V = 0`` with ``eval.before_training``, and at the version a resumed run
 starts from when one is due there), rank 0 tells the buffer to start round
-``V // eval.every_steps`` (:class:`~asyncrl.messages.StartEval`). The
+``V // eval.every_steps`` (:class:`~asyncrl.core.messages.StartEval`). The
 generators do the work; the round's ``eval_*`` results arrive with a later
 batch's buffer stats and are logged at that step (:mod:`.step_log`). No batch
 comes after the last step, so with ``eval.at_end`` the final policy is
@@ -22,8 +22,8 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from asyncrl import progress
 from asyncrl.config import Config
+from asyncrl.core import progress
 from asyncrl.learner.buffer_client import BufferClient
 from asyncrl.learner.final_eval import FinalEval
 

@@ -32,8 +32,8 @@ from typing import Protocol
 import zmq
 
 from asyncrl.config import Config
-from asyncrl.messages import NOT_EVAL, EvalResults
-from asyncrl.paths import FINAL_EVAL
+from asyncrl.core.messages import NOT_EVAL, EvalResults
+from asyncrl.core.paths import FINAL_EVAL
 
 log = logging.getLogger("asyncrl.learner")
 

@@ -12,15 +12,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from asyncrl import lora
 from asyncrl.config import Config
+from asyncrl.generation import lora
+from asyncrl.generation.models import DTYPES, build_policy, empty_like, tied_names
 from asyncrl.learner import checkpoint, sharding
 from asyncrl.learner.algorithms import needs_of
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.reference import Reference
 from asyncrl.learner.update import Update
-from asyncrl.models import DTYPES, build_policy, empty_like, tied_names
 
 
 def lr_multiplier(config: Config):

@@ -16,8 +16,9 @@ from typing import Protocol
 
 import torch
 
-from asyncrl import lora, progress
 from asyncrl.config import Config
+from asyncrl.core import progress
+from asyncrl.generation import lora
 from asyncrl.learner.policy import Learner
 
 log = logging.getLogger("asyncrl.learner")

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from asyncrl.config import Config
+from asyncrl.generation.models import build_policy
 from asyncrl.learner import sharding
 from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.packing import ModelInput, token_outputs
-from asyncrl.models import build_policy
 
 
 class Reference:

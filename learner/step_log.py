@@ -3,7 +3,7 @@ groups each step trained (``trained_groups.jsonl``), and eval rounds in the log.
 
 Every rank holds a step log; the others' is :class:`NoStepLog`, which keeps
 nothing (rank 0's metrics are already reduced over every rank). A line that
-cannot be written stops the learner (:class:`~asyncrl.tracking.RecordWriteError`);
+cannot be written stops the learner (:class:`~asyncrl.core.tracking.RecordWriteError`);
 aim failing only turns aim off.
 """
 
@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 from asyncrl.config import Config
+from asyncrl.core.paths import TRAINED_GROUPS
+from asyncrl.core.tracking import JsonLines, Tracker
+from asyncrl.core.trajectory import is_model_token, is_versioned
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.batch_source import Fetched
 from asyncrl.learner.final_eval import FINAL_EVAL
-from asyncrl.paths import TRAINED_GROUPS
-from asyncrl.tracking import JsonLines, Tracker
-from asyncrl.trajectory import is_model_token, is_versioned
 
 log = logging.getLogger("asyncrl.learner")
 

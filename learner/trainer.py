@@ -45,7 +45,7 @@ buffer outlasts a stop by more than ``FINAL_SAVE_TIMEOUT_S``
 A file of the run's record (``metrics.jsonl``, ``trained_groups.jsonl``) or a
 checkpoint that cannot be written (a full disk) stops the learner at once with
 one line naming the file and the error, and a non-zero status; aim failing only
-turns aim off (:mod:`asyncrl.tracking`). Held-out evaluation never stops the
+turns aim off (:mod:`asyncrl.core.tracking`). Held-out evaluation never stops the
 loop (:mod:`.evaluator`).
 """
 
@@ -60,9 +60,14 @@ from pathlib import Path
 
 import torch
 
-from asyncrl import progress
 from asyncrl.config import Config
-from asyncrl.cores import torch_threads
+from asyncrl.core import progress
+from asyncrl.core.cores import torch_threads
+from asyncrl.core.message_limits import total_replicas
+from asyncrl.core.security import LEARNER, client_context
+from asyncrl.core.stop_signals import ROLE_SIGNALS, StopSignals
+from asyncrl.core.tracking import RecordWriteError
+from asyncrl.core.transport import tcp
 from asyncrl.learner import checkpoint, distributed
 from asyncrl.learner.batch_source import BatchSource, from_rank_0
 from asyncrl.learner.buffer_client import BufferClient
@@ -71,11 +76,6 @@ from asyncrl.learner.evaluator import Evaluator, NoEval
 from asyncrl.learner.policy import Learner
 from asyncrl.learner.publisher import Drain, Publisher
 from asyncrl.learner.step_log import NoStepLog, StepLog
-from asyncrl.message_limits import total_replicas
-from asyncrl.security import LEARNER, client_context
-from asyncrl.stop_signals import ROLE_SIGNALS, StopSignals
-from asyncrl.tracking import RecordWriteError
-from asyncrl.transport import tcp
 from asyncrl.weights import WeightPublisher
 from asyncrl.weights.paths import learner_sink
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from asyncrl.config import Config
+from asyncrl.core.reductions import Reduction, Stat
 from asyncrl.learner import microbatch
 from asyncrl.learner.algorithms import (
     ADVANTAGES,
@@ -55,7 +56,6 @@ from asyncrl.learner.batch_correction import BatchCorrection, correct_batch
 from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.packing import Layout, token_outputs
 from asyncrl.learner.reference import Reference
-from asyncrl.reductions import Reduction, Stat
 
 SKIP_WARNING_EVERY_S = 60.0
 """At most one warning per this many seconds about skipped non-finite updates."""

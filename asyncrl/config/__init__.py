@@ -35,8 +35,8 @@ from asyncrl.config.loading import config_from_dict, load_config, save_config
 from asyncrl.config.run import LoraConfig, ModelConfig, RunConfig, TinyModelConfig, TrackingConfig
 from asyncrl.config.schema import Config, config_warnings
 from asyncrl.config.weights import WeightsConfig
-from asyncrl.machine import machine_problems
-from asyncrl.yaml_files import MAX_CONFIG_BYTES
+from asyncrl.core.machine import machine_problems
+from asyncrl.core.yaml_files import MAX_CONFIG_BYTES
 
 __all__ = [
     "ADVANTAGE_CONFIGS",

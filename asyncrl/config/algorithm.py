@@ -29,7 +29,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails
 
 from asyncrl.config.base import Section
-from asyncrl.envs.config import Float
+from asyncrl.config.environment import Float
 
 DEFAULT_ADVANTAGE = "grpo"
 SEQUENCE_LOSSES = ("gspo", "sapo", "gmpo")

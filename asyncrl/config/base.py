@@ -88,7 +88,7 @@ def spec_parts(spec: str) -> tuple[str, str] | None:
 
 def spec_file(spec: str) -> Path | None:
     """The file a `path/to/file.py:name` spec names (as the loaders read it), or None for a
-    module spec; see :func:`asyncrl.rewards.load_reward_function`."""
+    module spec; see :func:`asyncrl.generation.rewards.load_reward_function`."""
     parts = spec_parts(spec)
     if parts is None:
         return None

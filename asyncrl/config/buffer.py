@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, StrictInt
 
 from asyncrl.config.base import Section
-from asyncrl.envs.config import DAY_S, Float
+from asyncrl.config.environment import DAY_S, Float
 
 
 class BufferConfig(Section):

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, StrictInt, model_validator
 
 from asyncrl.config.base import Section
-from asyncrl.envs.config import Float
+from asyncrl.config.environment import Float
 
 
 class ClusterConfig(Section):
@@ -21,7 +21,7 @@ class ClusterConfig(Section):
     pin_cores: Literal["auto"] | bool = "auto"
     """local: give each learner rank and generator replica cores of its own, as many as its
     `num_threads` while they fit (else fewer, one torch thread per core); the buffer and
-    helpers run anywhere (asyncrl/cores.py). `auto`: when every one can have a core;
+    helpers run anywhere (asyncrl/core/cores.py). `auto`: when every one can have a core;
     `true`: refuse to start otherwise; `false`: leave placement to the operating system."""
     buffer_num_cpus: Float = Field(1.0, ge=0.0)
     """ray: CPUs the buffer asks for; it is placed beside learner rank 0."""

@@ -7,11 +7,11 @@ from typing import Literal
 from pydantic import Field, StrictInt, field_validator, model_validator
 
 from asyncrl.config.base import MAX_PROCESSES, MAX_TOKENS, Section, spec_parts
-from asyncrl.envs.config import DAY_S, Float
+from asyncrl.config.environment import DAY_S, Float
 
 
 class TaskConfig(Section):
-    """The built-in synthetic task (see :mod:`asyncrl.tasks`)."""
+    """The built-in synthetic task (see :mod:`asyncrl.generation.tasks`)."""
 
     name: Literal["digits"] = "digits"
     """`digits`: given a string of digits, answer each digit plus `shift`, mod 10."""
@@ -61,7 +61,7 @@ class EvalConfig(Section):
 
 
 class RewardConfig(Section):
-    """How samples are scored (see :mod:`asyncrl.rewards`)."""
+    """How samples are scored (see :mod:`asyncrl.generation.rewards`)."""
 
     function: str | None = None
     """module:function or path.py:function; empty: chosen by each row's data_source."""

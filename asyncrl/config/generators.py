@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, StrictInt, model_validator
 
 from asyncrl.config.base import MAX_PROCESSES, MAX_TOKENS, Section
-from asyncrl.envs.config import Float
+from asyncrl.config.environment import Float
 
 
 class GeneratorsConfig(Section):

@@ -14,7 +14,7 @@ from asyncrl.config.algorithm import SAVED_RUN
 from asyncrl.config.base import ConfigError, shorten, spec_file
 from asyncrl.config.errors import describe, origin
 from asyncrl.config.schema import Config
-from asyncrl.yaml_files import (
+from asyncrl.core.yaml_files import (
     MAX_CONFIG_BYTES,
     YamlFileError,
     YamlRefused,

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, StrictInt, field_validator, model_validator
 
 from asyncrl.config.base import MAX_TOKENS, Section, directory_name_problem
-from asyncrl.envs.config import DAY_S, Float
+from asyncrl.config.environment import DAY_S, Float
 
 
 class RunConfig(Section):

@@ -9,11 +9,11 @@ from asyncrl.config.base import Section
 from asyncrl.config.buffer import BufferConfig
 from asyncrl.config.cluster import ClusterConfig
 from asyncrl.config.data import DataConfig, EvalConfig, RewardConfig, TaskConfig
+from asyncrl.config.environment import EnvironmentConfig
 from asyncrl.config.generators import GeneratorsConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.run import ModelConfig, RunConfig, TrackingConfig
 from asyncrl.config.weights import WeightsConfig
-from asyncrl.envs.config import EnvironmentConfig
 
 
 class Config(Section):

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, StrictInt
 
 from asyncrl.config.base import Section
-from asyncrl.envs.config import DAY_S, Float
+from asyncrl.config.environment import DAY_S, Float
 
 MIB = 1 << 20
 

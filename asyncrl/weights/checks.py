@@ -33,8 +33,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from asyncrl.connection_guard import RateLimitedLog
-from asyncrl.weights.collective_buckets import Spec
+from asyncrl.core.connection_guard import RateLimitedLog
+from asyncrl.weights.collective.buckets import Spec
 from asyncrl.weights.layout import TORCH_DTYPES
 from asyncrl.weights.source import WeightTransferError
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.messages import TensorEntry
+from asyncrl.core.messages import TensorEntry
 
 TORCH_DTYPES = {
     torch.float32: "float32",

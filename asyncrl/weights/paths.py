@@ -16,16 +16,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from asyncrl.weight_messages import WEIGHT_PATHS
-from asyncrl.weights.shm_publisher import ShmPublisher
-from asyncrl.weights.shm_reader import ShmSource
-from asyncrl.weights.shm_writer import ShmWriter, remove_leftover
+from asyncrl.core.weight_messages import WEIGHT_PATHS
+from asyncrl.weights.shm.publisher import ShmPublisher
+from asyncrl.weights.shm.reader import ShmSource
+from asyncrl.weights.shm.writer import ShmWriter, remove_leftover
 from asyncrl.weights.source import WeightSource
-from asyncrl.weights.zmq_server import WeightPublisher
+from asyncrl.weights.zmq.server import WeightPublisher
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
-    from asyncrl.weights.collective_sender import WithBroadcast
+    from asyncrl.weights.collective.sender import WithBroadcast
 
 
 def chain_paths(transport: str) -> tuple[str, ...]:
@@ -62,7 +62,7 @@ def learner_sink(
         return zmq
     sink = ShmPublisher(zmq, ShmWriter(run_dir))
     if config.weights.transport == "collective":  # the broadcast sends the slot beside it
-        from asyncrl.weights.collective_sender import WithBroadcast, learner_sender
+        from asyncrl.weights.collective.sender import WithBroadcast, learner_sender
 
         return WithBroadcast(sink, learner_sender(config, zmq.snapshots, run_dir))
     return sink

@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from asyncrl.messages import TensorEntry, WeightsManifest, WireError, encode
+from asyncrl.core.messages import TensorEntry, WeightsManifest, WireError, encode
 from asyncrl.weights.layout import TORCH_DTYPES, byte_view, chunk_pieces
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]

@@ -6,7 +6,7 @@ a version newer than the one it has. A source either loads one whole version
 (and says which, and how), finds none newer, or raises
 :class:`WeightTransferError`; the chain then falls back to the next source at
 once. Nothing here knows a transport: the sources live beside it
-(``shm_reader.py``, ``collective.py``, ``zmq_source.py``).
+(``shm/reader.py``, ``collective/groups.py``, ``zmq/source.py``).
 """
 
 from __future__ import annotations

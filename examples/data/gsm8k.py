@@ -11,7 +11,7 @@ file per split into the output directory::
 Each output row::
 
     prompt        [{"role": "user", "content": question + INSTRUCTION}]
-    data_source   "openai/gsm8k"          (scored by asyncrl.rewards.gsm8k_score)
+    data_source   "openai/gsm8k"          (scored by asyncrl.generation.rewards.gsm8k_score)
     ability       "math"
     reward_model  {"style": "rule", "ground_truth": "72"}
     extra_info    {"split", "index", "question", "answer"}

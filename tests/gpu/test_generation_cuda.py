@@ -11,9 +11,9 @@ import copy
 import torch
 
 from asyncrl.config import GeneratorsConfig
+from asyncrl.generation.models import build_policy
 from asyncrl.generators.hf_backend import HFBackend, Rollout
 from asyncrl.learner.algorithms import token_logprobs
-from asyncrl.models import build_policy
 from tests.helpers.gpu import device_batch, tiny_config
 
 NEW_TOKENS = 16

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from asyncrl.generation.models import empty_like
 from asyncrl.generators.hf_backend import HFBackend
 from asyncrl.learner import sharding
 from asyncrl.learner.policy import Learner
-from asyncrl.models import empty_like
 from tests.helpers.gpu import device_batch, tiny_config
 from tests.helpers.learner import single_rank
 

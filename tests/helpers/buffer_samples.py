@@ -7,7 +7,7 @@ import numpy as np
 
 from asyncrl.buffer.store import BufferStore, Sample
 from asyncrl.config import BufferConfig
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     EpisodeCounts,
     Trajectories,
     TrajectoryMeta,

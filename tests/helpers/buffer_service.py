@@ -10,14 +10,14 @@ import numpy as np
 from asyncrl.buffer.main import build_store
 from asyncrl.buffer.service import BufferService
 from asyncrl.config import load_config
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     Trajectories,
     TrajectoryMeta,
     WorkItem,
     decode,
     encode,
 )
-from asyncrl.tasks import work_item_factory
+from asyncrl.generation.tasks import work_item_factory
 
 LEARNER = b"learner"
 

@@ -8,7 +8,7 @@ from asyncrl.buffer.validation import (
     Limits,
     check_trajectories,
 )
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     Trajectories,
     TrajectoryMeta,
     decode,

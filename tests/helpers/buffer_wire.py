@@ -29,9 +29,9 @@ import numpy as np
 import zmq
 
 from asyncrl.config import ClusterConfig, Config, load_config
-from asyncrl.credentials import held
-from asyncrl.keys_folder import hold_every_role
-from asyncrl.messages import (
+from asyncrl.core.credentials import held
+from asyncrl.core.keys_folder import hold_every_role
+from asyncrl.core.messages import (
     Ack,
     Message,
     Trajectories,
@@ -40,8 +40,8 @@ from asyncrl.messages import (
     decode,
     encode,
 )
-from asyncrl.security import GENERATOR, LEARNER, OBSERVER, Role, client_context
-from asyncrl.transport import client_socket, free_port, tcp
+from asyncrl.core.security import GENERATOR, LEARNER, OBSERVER, Role, client_context
+from asyncrl.core.transport import client_socket, free_port, tcp
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 PROMPT_LEN = 4

@@ -16,7 +16,7 @@ import traceback
 
 import torch
 
-from asyncrl.signing import group_key_pair
+from asyncrl.core.signing import group_key_pair
 
 LEARNER_KEY, REPLICA_KEY = group_key_pair(b"L" * 32, b"G" * 32)
 """The two sides of the tests' group: the test process as the learner, the replicas."""
@@ -101,7 +101,7 @@ def command(pipe, *message, within_s: float = 120.0):
 def pause_after_buckets(count: int, pipe) -> None:
     """Make this process say ``("in_broadcast", count)`` once ``count`` buckets of a
     transfer arrived, then dawdle, so the test can SIGSTOP it in the middle."""
-    import asyncrl.weights.collective_receiver as receiver
+    import asyncrl.weights.collective.receiver as receiver
 
     real = receiver.finish
     received = [0]
@@ -133,8 +133,8 @@ def replica_main(
     import zmq
 
     from asyncrl.weights import WeightClient
-    from asyncrl.weights.collective_receiver import CollectiveSource
-    from asyncrl.weights.zmq_source import ZmqSource
+    from asyncrl.weights.collective.receiver import CollectiveSource
+    from asyncrl.weights.zmq.source import ZmqSource
 
     torch.set_num_threads(1)
     if pause is not None:

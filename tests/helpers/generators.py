@@ -10,14 +10,8 @@ import torch
 import zmq
 
 from asyncrl.config import GeneratorsConfig, ModelConfig, TinyModelConfig, load_config
-from asyncrl.envs import Environment, ScoreRequest, StepResult
-from asyncrl.envs.config import EnvironmentConfig
-from asyncrl.generators.backend import Rollout, StopStrings, append_tokens
-from asyncrl.generators.episodes import Episodes
-from asyncrl.generators.hf_backend import HFBackend
-from asyncrl.generators.worker import GeneratorReplica
-from asyncrl.learner.algorithms import token_logprobs
-from asyncrl.messages import (
+from asyncrl.config.environment import EnvironmentConfig
+from asyncrl.core.messages import (
     Ack,
     Heartbeat,
     Leave,
@@ -27,8 +21,14 @@ from asyncrl.messages import (
     WorkItem,
     WorkRequest,
 )
-from asyncrl.models import build_policy
-from asyncrl.tasks import build_tokenizer
+from asyncrl.generation.envs import Environment, ScoreRequest, StepResult
+from asyncrl.generation.models import build_policy
+from asyncrl.generation.tasks import build_tokenizer
+from asyncrl.generators.backend import Rollout, StopStrings, append_tokens
+from asyncrl.generators.episodes import Episodes
+from asyncrl.generators.hf_backend import HFBackend
+from asyncrl.generators.worker import GeneratorReplica
+from asyncrl.learner.algorithms import token_logprobs
 
 
 class CountdownEnv(Environment):

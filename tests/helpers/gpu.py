@@ -9,11 +9,11 @@ import numpy as np
 import torch
 
 from asyncrl.config import Config, load_config
+from asyncrl.core.messages import Trajectories, TrajectoryMeta, decode, encode
+from asyncrl.core.paths import LEARNER_STORE_ENV
+from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.learner import distributed
 from asyncrl.learner.batch import TrainBatch, collate
-from asyncrl.messages import Trajectories, TrajectoryMeta, decode, encode
-from asyncrl.paths import LEARNER_STORE_ENV
-from asyncrl.tasks import build_tokenizer
 from tests.helpers.learner import TINY_LEARNER
 
 GROUP = 4

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from asyncrl.status import read_metrics
+from asyncrl.run.status import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncrl.status import read_metrics
+from asyncrl.run.status import read_metrics
 from asyncrl.testbed.hosts import TestBed
 from asyncrl.testbed.ray_nodes import NodeSpec, RayNodes
 

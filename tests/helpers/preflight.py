@@ -1,4 +1,4 @@
-"""Data files, configs and a saved tokenizer for the preflight tests (asyncrl.preflight)."""
+"""Data files, configs and a saved tokenizer for the preflight tests (asyncrl.run.preflight)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from asyncrl.config import load_config
-from asyncrl.preflight import PreflightError, preflight
+from asyncrl.run.preflight import PreflightError, preflight
 
 TEMPLATE = (
     "{% if messages[0]['role'] == 'system' %}"

@@ -13,8 +13,8 @@ from asyncrl.buffer.main import build_store
 from asyncrl.buffer.service import BufferService
 from asyncrl.buffer.store import BufferStore
 from asyncrl.config import Config
-from asyncrl.tasks import work_item_factory
-from asyncrl.transport import tcp
+from asyncrl.core.transport import tcp
+from asyncrl.generation.tasks import work_item_factory
 
 
 class RunningBuffer:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from asyncrl.status import read_metrics
+from asyncrl.run.status import read_metrics
 from tests.helpers.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]

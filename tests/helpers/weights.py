@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from asyncrl.config import GeneratorsConfig, ModelConfig, TinyModelConfig
+from asyncrl.generation.models import build_policy, tied_names
 from asyncrl.generators.hf_backend import HFBackend, Rollout
-from asyncrl.models import build_policy, tied_names
-from asyncrl.weights.shm import HEADER, INDEX_DECODER, PAGE, SLOT_HEADER, SLOT_HEADER_BYTES
+from asyncrl.weights.shm.segment import HEADER, INDEX_DECODER, PAGE, SLOT_HEADER, SLOT_HEADER_BYTES
 
 EMBEDDING = "model.embed_tokens.weight"
 

@@ -61,12 +61,12 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Hugging Face folder of SmolLM2-135M-Instruct (float32, 538 MB), exported from the
-    GGUF file with :func:`asyncrl.models.export_pretrained` once per test run: under
+    GGUF file with :func:`asyncrl.generation.models.export_pretrained` once per test run: under
     pytest-xdist the workers share it (the run's common temp folder, under a file lock),
     instead of each spending half a minute on its own export."""
     from filelock import FileLock
 
-    from asyncrl.models import export_pretrained
+    from asyncrl.generation.models import export_pretrained
 
     shared = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -15,11 +15,11 @@ import torch
 import zmq
 
 from asyncrl.config import load_config
+from asyncrl.core.transport import free_port, tcp
+from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.learner import checkpoint, distributed
 from asyncrl.learner.policy import Learner
 from asyncrl.learner.publisher import Drain, Publisher
-from asyncrl.tasks import build_tokenizer
-from asyncrl.transport import free_port, tcp
 from asyncrl.weights import WeightClient, WeightPublisher
 from tests.helpers.learner import synthetic_batch
 
@@ -92,7 +92,7 @@ def main() -> None:
         torch.save(
             {"params": params, "metrics": metrics, "rebuilt": rebuilt}, args.out / "params.pt"
         )
-    distributed.barrier(ranks)  # ends as the learner does (asyncrl.roles)
+    distributed.barrier(ranks)  # ends as the learner does (asyncrl.run.roles)
     distributed.shutdown()
     distributed.exit_without_finalizing()
 

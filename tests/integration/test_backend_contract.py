@@ -26,14 +26,14 @@ import pytest
 import torch
 
 from asyncrl.config import GeneratorsConfig
-from asyncrl.envs import Environment, StepResult
-from asyncrl.envs.config import EnvironmentConfig
+from asyncrl.config.environment import EnvironmentConfig
+from asyncrl.core.messages import WorkItem
+from asyncrl.generation.envs import Environment, StepResult
+from asyncrl.generation.models import build_policy
 from asyncrl.generators.backend import Backend, Rollout
 from asyncrl.generators.episodes import Episodes
 from asyncrl.generators.hf_backend import HFBackend
 from asyncrl.learner.algorithms import token_logprobs
-from asyncrl.messages import WorkItem
-from asyncrl.models import build_policy
 from tests.helpers.engines import (
     BLOCK,
     CHUNK,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.paths import checkpoint_dir, latest_checkpoint
-from asyncrl.status import read_metrics
+from asyncrl.core.paths import checkpoint_dir, latest_checkpoint
+from asyncrl.run.status import read_metrics
 from tests.helpers.launches import (
     COMMON,
     Launch,

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     Ack,
     BatchRequest,
     Heartbeat,
@@ -20,7 +20,7 @@ from asyncrl.messages import (
     WorkGrant,
     WorkRequest,
 )
-from asyncrl.security import GENERATOR
+from asyncrl.core.security import GENERATOR
 from tests.helpers.buffer_wire import buffer_config, exchange, send_samples
 from tests.helpers.running_buffer import running_buffer
 from tests.helpers.waiting import wait_until

@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from asyncrl.buffer.metrics import busy_fraction
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     Ack,
     BatchRequest,
     ErrorReply,
@@ -31,8 +31,8 @@ from asyncrl.messages import (
     decode,
     encode,
 )
-from asyncrl.security import GENERATOR, LEARNER
-from asyncrl.transport import RequestClient, client_socket
+from asyncrl.core.security import GENERATOR, LEARNER
+from asyncrl.core.transport import RequestClient, client_socket
 from tests.helpers.buffer_wire import Peers, buffer_config, exchange, send_samples
 from tests.helpers.running_buffer import RunningBuffer, running_buffer
 

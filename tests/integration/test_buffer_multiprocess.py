@@ -1,7 +1,7 @@
 """The buffer in its own process, generators in theirs: heartbeat loss and back-pressure.
 
 The buffer is started as ``asyncrl launch`` starts it (the local
-``Supervisor`` runs ``python -m asyncrl.roles buffer RUN_DIR`` on the
+``Supervisor`` runs ``python -m asyncrl.run.roles buffer RUN_DIR`` on the
 ``config.yaml`` it reads). Each generator-like client is a separate process
 (multiprocessing spawn) speaking the real protocol over TCP on 127.0.0.1:
 ``WorkRequest``, ``Trajectories`` and ``Heartbeat`` in, ``WorkGrant`` and
@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import ClusterConfig, Config, save_config
-from asyncrl.launch import Supervisor, make_run_dir
-from asyncrl.messages import Ack, BatchRequest, Heartbeat, Trajectories, WorkGrant, WorkRequest
-from asyncrl.security import GENERATOR, LEARNER, client_context
-from asyncrl.transport import client_socket, tcp
+from asyncrl.core.messages import Ack, BatchRequest, Heartbeat, Trajectories, WorkGrant, WorkRequest
+from asyncrl.core.security import GENERATOR, LEARNER, client_context
+from asyncrl.core.transport import client_socket, tcp
+from asyncrl.run.launch import Supervisor, make_run_dir
 from tests.helpers.buffer_wire import buffer_config, exchange, send_samples
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

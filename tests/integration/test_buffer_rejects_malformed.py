@@ -8,7 +8,7 @@ import msgspec
 import pytest
 import zmq
 
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     SCHEMA_VERSION,
     Ack,
     ArraySpec,

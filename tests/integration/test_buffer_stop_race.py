@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     Ack,
     BatchRequest,
     SaveBufferState,
@@ -25,7 +25,7 @@ from asyncrl.messages import (
     decode,
     encode,
 )
-from asyncrl.paths import BUFFER_STATE, checkpoint_dir
+from asyncrl.core.paths import BUFFER_STATE, checkpoint_dir
 from tests.helpers.buffer_wire import Peers, buffer_config, exchange, send_samples
 from tests.helpers.running_buffer import running_buffer
 

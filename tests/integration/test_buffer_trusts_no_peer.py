@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import zmq
 
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     SCHEMA_VERSION,
     Ack,
     BatchRequest,
@@ -42,8 +42,8 @@ from asyncrl.messages import (
     decode,
     encode,
 )
-from asyncrl.paths import checkpoint_dir
-from asyncrl.transport import client_socket
+from asyncrl.core.paths import checkpoint_dir
+from asyncrl.core.transport import client_socket
 from tests.helpers.buffer_wire import (
     Peers,
     buffer_config,

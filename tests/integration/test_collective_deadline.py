@@ -14,9 +14,9 @@ from functools import partial
 import pytest
 import torch
 
-from asyncrl.transport import free_port, tcp
+from asyncrl.core.transport import free_port, tcp
 from asyncrl.weights import WeightPublisher
-from asyncrl.weights.collective_sender import CollectiveSender
+from asyncrl.weights.collective.sender import CollectiveSender
 from tests.helpers.collective import (
     LEARNER_KEY,
     REPLICA_KEY,

@@ -9,10 +9,10 @@ from collections import Counter
 
 import pytest
 
+from asyncrl.generation.models import build_policy
 from asyncrl.generators.engines import build_backend
-from asyncrl.models import build_policy
-from asyncrl.weights.collective_receiver import CollectiveSource
-from asyncrl.weights.collective_sender import CollectiveSender
+from asyncrl.weights.collective.receiver import CollectiveSource
+from asyncrl.weights.collective.sender import CollectiveSender
 from asyncrl.weights.snapshot import SnapshotStore
 from tests.helpers.collective import LEARNER_KEY, REPLICA_KEY
 from tests.helpers.vllm_weights import BUCKET_BYTES, MODEL, engine_config, greedy

@@ -1,4 +1,4 @@
-"""A launched run keeps its learner and its generator on cores of their own (asyncrl/cores.py)."""
+"""A launched run keeps its learner and its generator on cores of their own (asyncrl/core/cores.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 def role_of(process: psutil.Process) -> str | None:
     command = process.cmdline()
-    return command[3] if command[1:3] == ["-m", "asyncrl.roles"] else None
+    return command[3] if command[1:3] == ["-m", "asyncrl.run.roles"] else None
 
 
 @pytest.mark.skipif(len(psutil.Process().cpu_affinity()) < 2, reason="needs two cores")

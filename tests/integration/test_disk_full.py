@@ -25,7 +25,7 @@ import torch
 from asyncrl.config import load_config
 from asyncrl.learner import checkpoint, distributed
 from asyncrl.learner.policy import Learner
-from asyncrl.status import read_metrics
+from asyncrl.run.status import read_metrics
 from tests.helpers.launches import Launch
 from tests.helpers.run_processes import processes_of
 
@@ -89,7 +89,7 @@ class Filler:
 TRACKER_PROGRAM = """
 import sys
 from pathlib import Path
-from asyncrl.tracking import Tracker
+from asyncrl.core.tracking import Tracker
 
 tracker = Tracker(Path(sys.argv[1]), "full", {"a": 1}, use_aim=True)
 try:
@@ -116,7 +116,7 @@ def test_aim_and_the_metrics_on_a_full_disk_end_the_process_with_the_error(disk)
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last == (
-        f"asyncrl.tracking.RecordWriteError: cannot write {run_dir / 'metrics.jsonl'}: "
+        f"asyncrl.core.tracking.RecordWriteError: cannot write {run_dir / 'metrics.jsonl'}: "
         "No space left on device (errno 28); the learner stops"
     )
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 import yaml
 
-from asyncrl.status import read_metrics
+from asyncrl.run.status import read_metrics
 from tests.helpers.launches import REPO
 from tests.helpers.run_processes import processes_of
 from tests.helpers.waiting import wait_until

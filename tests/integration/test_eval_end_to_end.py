@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from asyncrl.config import config_from_dict, load_config
-from asyncrl.launch import stop_timeout_s
-from asyncrl.status import read_metrics, read_records
-from asyncrl.tasks import eval_work_items, work_item_factory
+from asyncrl.generation.tasks import eval_work_items, work_item_factory
+from asyncrl.run.launch import stop_timeout_s
+from asyncrl.run.status import read_metrics, read_records
 from tests.helpers.launches import launch, start
 from tests.helpers.run_processes import processes_of
 

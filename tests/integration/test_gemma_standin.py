@@ -45,7 +45,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.learner import packing
 from asyncrl.learner.algorithms import logprobs as head_chunks
-from asyncrl.status import read_metrics
+from asyncrl.run.status import read_metrics
 from tests.helpers.run_processes import processes_of
 
 pytestmark = pytest.mark.slow
@@ -194,8 +194,8 @@ def sequence_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor
 
 
 def test_the_stand_in_has_gemma3_s_traits_and_its_sliding_layer_masks(gemma_dir, text_data):
-    from asyncrl.data import encode_text, read_rows, render_row
-    from asyncrl.models import load_tokenizer
+    from asyncrl.generation.data import encode_text, read_rows, render_row
+    from asyncrl.generation.models import load_tokenizer
 
     config = json.loads((gemma_dir / "config.json").read_text())
     assert config["model_type"] == "gemma3_text" and config["vocab_size"] == VOCAB
@@ -270,7 +270,7 @@ def test_a_run_keeps_log_probs_resumes_and_exports_a_gemma3_that_puts_bos_first(
     """Two steps, a checkpoint, ``--resume`` to a third: log-probs agree at every step, the
     prompts the generator got start with the BOS, and ``final/`` loads as a Gemma-3."""
     from asyncrl.config import load_config
-    from asyncrl.tasks import work_item_factory
+    from asyncrl.generation.tasks import work_item_factory
 
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)

@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from asyncrl.data import PromptDataset
-from asyncrl.rewards import REWARD_FUNCTIONS
+from asyncrl.generation.data import PromptDataset
+from asyncrl.generation.rewards import REWARD_FUNCTIONS
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "data" / "gsm8k.py"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from asyncrl.status import read_metrics
+from asyncrl.run.status import read_metrics
 from tests.helpers.launches import REPO, launch
 from tests.helpers.run_processes import processes_of
 

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import yaml
 
-from asyncrl.status import read_metrics
+from asyncrl.run.status import read_metrics
 from tests.helpers.ray_runs import actor_process, assert_nothing_left, ray_temp_dir
 from tests.helpers.run_processes import processes_of
 from tests.helpers.watched_launch import Launch

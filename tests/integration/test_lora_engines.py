@@ -11,11 +11,11 @@ import copy
 import pytest
 import torch
 
-from asyncrl import lora
 from asyncrl.config import GeneratorsConfig, LoraConfig
+from asyncrl.core.messages import BASE_DIGEST
+from asyncrl.generation import lora
+from asyncrl.generation.models import build_policy
 from asyncrl.learner.algorithms.logprobs import token_logprobs
-from asyncrl.messages import BASE_DIGEST
-from asyncrl.models import build_policy
 from tests.helpers.engines import BLOCK, ENGINES, MODEL, make_rollouts, run_to_completion
 
 peft = pytest.importorskip("peft")

@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from asyncrl import lora
 from asyncrl.config import load_config
-from asyncrl.models import build_policy
-from asyncrl.status import read_metrics
+from asyncrl.generation import lora
+from asyncrl.generation.models import build_policy
+from asyncrl.run.status import read_metrics
 from tests.helpers.faults import keep_base_env
 from tests.helpers.run_processes import processes_of
 

@@ -22,8 +22,8 @@ import pytest
 import zmq
 
 from asyncrl.config import ClusterConfig
-from asyncrl.keys_folder import hold_every_role, provision
-from asyncrl.security import client_context, generate_keys, peer_role, secure_server
+from asyncrl.core.keys_folder import hold_every_role, provision
+from asyncrl.core.security import client_context, generate_keys, peer_role, secure_server
 
 pytestmark = pytest.mark.timeout(120)
 REFUSED_WAIT_MS = 1000

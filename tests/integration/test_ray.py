@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.ray_plan import (
+from asyncrl.core.security import provision_run
+from asyncrl.core.stop_signals import StopSignals
+from asyncrl.run.ray.plan import (
     check_resources,
     generator_replicas,
     learner_bundles,
@@ -22,10 +24,8 @@ from asyncrl.ray_plan import (
     local_resources,
     rank_env,
 )
-from asyncrl.ray_run import RayRun
-from asyncrl.security import provision_run
-from asyncrl.status import read_metrics
-from asyncrl.stop_signals import StopSignals
+from asyncrl.run.ray.run import RayRun
+from asyncrl.run.status import read_metrics
 from tests.helpers.ray_runs import (
     QUICKSTART,
     REPO,

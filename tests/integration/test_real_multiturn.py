@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.envs.formatting import Codec, build_formatter
-from asyncrl.envs.rollout import EpisodeRunner
-from asyncrl.envs.tool_env import ToolEnvironment
-from asyncrl.models import load_tokenizer
-from asyncrl.status import read_metrics
-from asyncrl.trajectory import ENV_VERSION
+from asyncrl.core.trajectory import ENV_VERSION
+from asyncrl.generation.envs.formatting import Codec, build_formatter
+from asyncrl.generation.envs.rollout import EpisodeRunner
+from asyncrl.generation.envs.tool_env import ToolEnvironment
+from asyncrl.generation.models import load_tokenizer
+from asyncrl.run.status import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -26,10 +26,9 @@ import yaml
 import zmq
 
 from asyncrl.config import load_config
-from asyncrl.credentials import CREDENTIALS_FD_ENV
-from asyncrl.keys_folder import password_file
-from asyncrl.local_run import Supervisor
-from asyncrl.messages import (
+from asyncrl.core.credentials import CREDENTIALS_FD_ENV
+from asyncrl.core.keys_folder import password_file
+from asyncrl.core.messages import (
     BatchRequest,
     ErrorReply,
     SaveBufferState,
@@ -39,9 +38,10 @@ from asyncrl.messages import (
     decode,
     encode,
 )
-from asyncrl.security import provision_run
-from asyncrl.status import read_metrics
-from asyncrl.transport import tcp
+from asyncrl.core.security import provision_run
+from asyncrl.core.transport import tcp
+from asyncrl.run.local_run import Supervisor
+from asyncrl.run.status import read_metrics
 from tests.helpers.run_processes import processes_of
 from tests.helpers.waiting import wait_until
 
@@ -55,7 +55,7 @@ NO_REPLY_MS = 2000
 
 STAND_IN = """
 import json, os, sys
-from asyncrl.credentials import receive_handed
+from asyncrl.core.credentials import receive_handed
 fd = os.environ.get("{env}")
 credentials = receive_handed()
 report = {{

@@ -25,8 +25,8 @@ import zmq
 from zmq.auth.thread import AuthenticationThread
 
 from asyncrl.config import ClusterConfig, load_config
-from asyncrl.keys_folder import hold_every_role
-from asyncrl.messages import (
+from asyncrl.core.keys_folder import hold_every_role
+from asyncrl.core.messages import (
     BatchRequest,
     ErrorReply,
     WeightsRequest,
@@ -36,8 +36,8 @@ from asyncrl.messages import (
     decode,
     encode,
 )
-from asyncrl.security import CurveKeys, SecurityError, client_context, generate_keys
-from asyncrl.transport import client_socket, free_port, tcp
+from asyncrl.core.security import CurveKeys, SecurityError, client_context, generate_keys
+from asyncrl.core.transport import client_socket, free_port, tcp
 from asyncrl.weights import WeightClient, WeightPublisher
 from tests.helpers.running_buffer import RunningBuffer
 

@@ -18,12 +18,12 @@ import torch
 import zmq
 
 from asyncrl.config import ClusterConfig
-from asyncrl.message_limits import MIN_UNAUTHENTICATED, buffer_guard_limits
-from asyncrl.messages import Status, StatusRequest, WeightsRequest, encode
-from asyncrl.security import GENERATOR, client_context
-from asyncrl.transport import client_socket, free_port, tcp
+from asyncrl.core.message_limits import MIN_UNAUTHENTICATED, buffer_guard_limits
+from asyncrl.core.messages import Status, StatusRequest, WeightsRequest, encode
+from asyncrl.core.security import GENERATOR, client_context
+from asyncrl.core.transport import client_socket, free_port, tcp
 from asyncrl.weights import WeightClient, WeightPublisher
-from asyncrl.weights.zmq_limits import FRAME_MAX_BYTES, HELD_BYTES, guard_limits
+from asyncrl.weights.zmq.limits import FRAME_MAX_BYTES, HELD_BYTES, guard_limits
 from tests.helpers.buffer_wire import Peers, buffer_config, exchange, fresh_keys_dir
 from tests.helpers.running_buffer import RunningBuffer, running_buffer
 from tests.helpers.waiting import wait_until

@@ -19,11 +19,11 @@ import pytest
 import zmq
 
 from asyncrl.config import save_config
-from asyncrl.launch import Supervisor, make_run_dir
-from asyncrl.message_limits import buffer_guard_limits
-from asyncrl.messages import Status, StatusRequest, encode
-from asyncrl.security import GENERATOR, OBSERVER, client_context
-from asyncrl.transport import client_socket, tcp
+from asyncrl.core.message_limits import buffer_guard_limits
+from asyncrl.core.messages import Status, StatusRequest, encode
+from asyncrl.core.security import GENERATOR, OBSERVER, client_context
+from asyncrl.core.transport import client_socket, tcp
+from asyncrl.run.launch import Supervisor, make_run_dir
 from tests.helpers.buffer_wire import buffer_config, exchange
 from tests.helpers.zmtp_stranger import Stranger, closed_by_server, endless_message, plain_login
 

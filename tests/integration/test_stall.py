@@ -24,11 +24,11 @@ import psutil
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.paths import latest_checkpoint
-from asyncrl.ray_run import RayRun
-from asyncrl.status import read_metrics
-from asyncrl.stop_signals import StopSignals
-from asyncrl.watchdog import START_FAILURES, START_TIMEOUT_S, Watchdog
+from asyncrl.core.paths import latest_checkpoint
+from asyncrl.core.stop_signals import StopSignals
+from asyncrl.run.ray.run import RayRun
+from asyncrl.run.status import read_metrics
+from asyncrl.run.watchdog import START_FAILURES, START_TIMEOUT_S, Watchdog
 from tests.helpers.ray_runs import QUICKSTART, FakeRay, FakeTaskError, RecordingConsole
 from tests.helpers.run_processes import processes_of
 
@@ -146,7 +146,7 @@ def test_ray_a_stalled_learner_fails_the_run_naming_it(tmp_path):
 def test_ray_a_fault_of_the_driver_while_supervising_stops_the_run_and_says_so(
     tmp_path, monkeypatch
 ):
-    from asyncrl import ray_cluster
+    from asyncrl.run.ray import cluster as ray_cluster
 
     def broken(run, console):
         raise RuntimeError("a tick went wrong")
@@ -154,7 +154,7 @@ def test_ray_a_fault_of_the_driver_while_supervising_stops_the_run_and_says_so(
     console, stopped = RecordingConsole(), []
     config = load_config(QUICKSTART, ["cluster.backend=ray"])
     monkeypatch.setattr(ray_cluster, "_connect", lambda config: SimpleNamespace(shutdown=dict))
-    monkeypatch.setattr("asyncrl.console.open_console", lambda *a: contextlib.nullcontext(console))
+    monkeypatch.setattr("asyncrl.run.console.open_console", lambda *a: contextlib.nullcontext(console))
     monkeypatch.setattr(RayRun, "start", broken)
     monkeypatch.setattr(RayRun, "stop", lambda run: stopped.append(True))
     monkeypatch.setattr(RayRun, "health", lambda run: [])
@@ -249,12 +249,12 @@ from pathlib import Path
 
 def under_a_generator() -> bool:
     # the function is imported in a child of the role (a contained check, a reward
-    # worker), so walk up from this process: python -m asyncrl.roles generator RUN_DIR
+    # worker), so walk up from this process: python -m asyncrl.run.roles generator RUN_DIR
     # (/proc/self, not getpid(): the child may be in a PID namespace of its own)
     process = "self"
     while process not in ("0", "1"):
         argv = Path(f"/proc/{process}/cmdline").read_bytes().split(b"\\0")
-        if argv[1:4] == [b"-m", b"asyncrl.roles", b"generator"]:
+        if argv[1:4] == [b"-m", b"asyncrl.run.roles", b"generator"]:
             return True
         process = Path(f"/proc/{process}/stat").read_text().rsplit(")", 1)[1].split()[1]
     return False

@@ -15,9 +15,9 @@ import psutil
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.paths import latest_checkpoint
-from asyncrl.status import read_metrics
-from asyncrl.supervision import stop_timeout_s
+from asyncrl.core.paths import latest_checkpoint
+from asyncrl.run.status import read_metrics
+from asyncrl.run.supervision import stop_timeout_s
 from tests.helpers.launches import (
     COMMON,
     Launch,

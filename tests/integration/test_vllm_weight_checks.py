@@ -13,15 +13,15 @@ import pytest
 import torch
 import zmq
 
+from asyncrl.core.transport import free_port, tcp
+from asyncrl.generation.models import build_policy
 from asyncrl.generators.engines import build_backend
-from asyncrl.models import build_policy
-from asyncrl.transport import free_port, tcp
 from asyncrl.weights import WeightClient, WeightPublisher
 from asyncrl.weights.checks import WeightsRefused
-from asyncrl.weights.collective_receiver import CollectiveSource
-from asyncrl.weights.collective_sender import CollectiveSender
+from asyncrl.weights.collective.receiver import CollectiveSource
+from asyncrl.weights.collective.sender import CollectiveSender
 from asyncrl.weights.snapshot import SnapshotStore
-from asyncrl.weights.zmq_source import ZmqSource
+from asyncrl.weights.zmq.source import ZmqSource
 from tests.helpers.vllm_weights import BUCKET_BYTES, MODEL, engine_config, greedy
 
 pytestmark = [

@@ -10,7 +10,7 @@ import torch
 import zmq
 
 from asyncrl.config import ModelConfig, TinyModelConfig
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     SCHEMA_VERSION,
     Ack,
     ErrorReply,
@@ -20,8 +20,8 @@ from asyncrl.messages import (
     decode,
     encode,
 )
-from asyncrl.models import build_policy
-from asyncrl.transport import client_socket, free_port, tcp
+from asyncrl.core.transport import client_socket, free_port, tcp
+from asyncrl.generation.models import build_policy
 from asyncrl.weights import WeightClient, WeightPublisher
 
 torch.set_num_threads(1)

@@ -20,8 +20,8 @@ import zmq
 
 from asyncrl import weights
 from asyncrl.config import ClusterConfig
-from asyncrl.keys_folder import hold_every_role
-from asyncrl.messages import (
+from asyncrl.core.keys_folder import hold_every_role
+from asyncrl.core.messages import (
     SCHEMA_VERSION,
     ErrorReply,
     WeightsChunkRequest,
@@ -30,9 +30,10 @@ from asyncrl.messages import (
     decode,
     encode,
 )
-from asyncrl.security import client_context
-from asyncrl.transport import client_socket, free_port, tcp
-from asyncrl.weights import WeightClient, WeightPublisher, zmq_server
+from asyncrl.core.security import client_context
+from asyncrl.core.transport import client_socket, free_port, tcp
+from asyncrl.weights import WeightClient, WeightPublisher
+from asyncrl.weights.zmq import server as zmq_server
 from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.status import read_metrics
-from asyncrl.weights.shm import NAME, POINTER_FILE, SHM_DIR
+from asyncrl.run.status import read_metrics
+from asyncrl.weights.shm.segment import NAME, POINTER_FILE, SHM_DIR
 from tests.helpers.run_processes import processes_of
 
 pytestmark = pytest.mark.slow

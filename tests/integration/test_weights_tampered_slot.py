@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.status import read_metrics
-from asyncrl.weights.shm import (
+from asyncrl.run.status import read_metrics
+from asyncrl.weights.shm.segment import (
     HEADER,
     INDEX_DECODER,
     PAGE,

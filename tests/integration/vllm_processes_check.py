@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from asyncrl.config import GeneratorsConfig, ModelConfig, TinyModelConfig
+from asyncrl.generation.models import build_policy
 from asyncrl.generators.backend import Rollout
 from asyncrl.learner.algorithms import token_logprobs
-from asyncrl.models import build_policy
 
 CHUNK = 4
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from asyncrl.status import read_metrics
+from asyncrl.run.status import read_metrics
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -191,7 +191,7 @@ class Launch:
         """The live process of ``role`` (a generator by ``index``, a learner by ``rank``)."""
         for process in processes_of(self.run_dir):
             command = process.cmdline()
-            if command[2:4] != ["asyncrl.roles", role]:
+            if command[2:4] != ["asyncrl.run.roles", role]:
                 continue
             if index is not None and command[command.index("--index") + 1] != str(index):
                 continue
@@ -240,11 +240,11 @@ def alive(process: psutil.Process) -> bool:
 
 
 def role_of(process: psutil.Process) -> str:
-    """``buffer``, ``learner``, ``generator`` (``python -m asyncrl.roles ROLE``),
+    """``buffer``, ``learner``, ``generator`` (``python -m asyncrl.run.roles ROLE``),
     ``launcher``, ``reward worker``, else the process's name."""
     try:
         command = process.cmdline()
-        if command[2:3] == ["asyncrl.roles"]:
+        if command[2:3] == ["asyncrl.run.roles"]:
             return command[3]
         if command[2:4] == ["asyncrl", "launch"]:
             return "launcher"

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncrl.paths import latest_checkpoint
+from asyncrl.core.paths import latest_checkpoint
 
 
 def trained_groups(run_dir: Path) -> dict[int, list[int]]:

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from asyncrl.tasks import digits_score
+from asyncrl.generation.tasks import digits_score
 
 TRIGGERS = {triggers!r}
 FLOOD_MB = 64

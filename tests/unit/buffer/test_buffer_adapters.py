@@ -7,7 +7,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     BASE_DIGEST,
     Ack,
     AdapterPublished,
@@ -16,7 +16,7 @@ from asyncrl.messages import (
     WorkGrant,
     WorkRequest,
 )
-from asyncrl.wire import WireError
+from asyncrl.core.wire import WireError
 from tests.helpers.buffer_service import LEARNER, Recorded, samples_of
 
 V1 = "0123456789abcdef" * 2
@@ -93,7 +93,7 @@ def test_a_run_without_adapters_alone_neither_takes_announcements_nor_checks():
 
 
 def test_digests_on_the_wire_are_checked_when_decoded():
-    from asyncrl.messages import decode, encode
+    from asyncrl.core.messages import decode, encode
 
     with pytest.raises(WireError, match="digest"):
         decode(encode(AdapterPublished(1, "not-a-digest")))

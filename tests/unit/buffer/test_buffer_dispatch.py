@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from asyncrl.buffer.durable import unfinished_groups
 from asyncrl.buffer.store import BufferStore, Sample
-from asyncrl.messages import Heartbeat, WorkItem, decode, encode
+from asyncrl.core.messages import Heartbeat, WorkItem, decode, encode
 from tests.helpers.buffer_samples import TIMEOUT, group_samples, make_sample, make_store
 
 

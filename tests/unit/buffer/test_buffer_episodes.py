@@ -9,7 +9,7 @@ import pytest
 
 from asyncrl.buffer.metrics import episode_metrics, generators_summary
 from asyncrl.buffer.validation import check_stats
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     BatchRequest,
     EpisodeCounts,
     Trajectories,

@@ -12,7 +12,7 @@ import pytest
 
 from asyncrl.buffer.evaluation import metric_name
 from asyncrl.buffer.store import BufferStore
-from asyncrl.messages import WorkItem
+from asyncrl.core.messages import WorkItem
 from tests.helpers.buffer_samples import (
     TIMEOUT,
     eval_sample,

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     Ack,
     BatchRequest,
     StartEval,

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from asyncrl.buffer.returns import Returns
-from asyncrl.messages import Ack, Heartbeat, Join, WorkRequest
+from asyncrl.core.messages import Ack, Heartbeat, Join, WorkRequest
 from tests.helpers.buffer_service import Recorded, samples_of
 
 

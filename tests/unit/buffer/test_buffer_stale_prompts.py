@@ -22,7 +22,7 @@ from asyncrl.buffer.service import BufferService
 from asyncrl.buffer.skips import SKIPPED_PROMPTS
 from asyncrl.buffer.store import BufferStore
 from asyncrl.config import load_config
-from asyncrl.paths import BUFFER_STATE
+from asyncrl.core.paths import BUFFER_STATE
 from tests.helpers.buffer_samples import group_samples, make_store
 
 

@@ -1,5 +1,5 @@
 """What the buffer accepts from a generator (asyncrl.buffer.validation), rule by rule, and
-the wire caps that come before any of it (asyncrl.messages.decode)."""
+the wire caps that come before any of it (asyncrl.core.messages.decode)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from asyncrl.buffer.validation import (
     model_vocab_size,
 )
 from asyncrl.config import load_config
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     MAX_ARRAY_DIMS,
     SCHEMA_VERSION,
     BatchRequest,
@@ -203,7 +203,7 @@ def test_limits_come_from_the_config():
 def test_a_pretrained_model_s_vocab_size_is_read_from_its_config(tmp_path):
     from transformers import Qwen2Config
 
-    from asyncrl.tasks import build_tokenizer
+    from asyncrl.generation.tasks import build_tokenizer
 
     Qwen2Config(vocab_size=1234).save_pretrained(tmp_path)
     build_tokenizer().save_pretrained(tmp_path)

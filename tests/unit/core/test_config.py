@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from asyncrl.cli import main
 from asyncrl.config import Config, ConfigError, config_from_dict, load_config, save_config
+from asyncrl.run.cli import main
 
 REPO = Path(__file__).resolve().parents[3]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
@@ -438,7 +438,7 @@ def test_a_run_saved_with_every_estimators_knobs_still_resumes_with_a_warning(
 
     launched = []
     monkeypatch.setattr(
-        "asyncrl.launch.launch", lambda config, *a, **k: launched.append(config) or 0
+        "asyncrl.run.launch.launch", lambda config, *a, **k: launched.append(config) or 0
     )
     assert main(["launch", "--resume", str(run_dir)]) == 0
     assert launched and launched[0].algorithm.advantage == "grpo"

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from asyncrl.config import ClusterConfig
-from asyncrl.credentials import (
+from asyncrl.core.credentials import (
     CREDENTIALS_FD_ENV,
     Credentials,
     SecurityError,
@@ -22,9 +22,9 @@ from asyncrl.credentials import (
     receive_handed,
     verifier,
 )
-from asyncrl.keys_folder import GROUP_KEY, generate_keys, provision
-from asyncrl.signing import derive_seed, public_key
-from asyncrl.weights.collective import group_key
+from asyncrl.core.keys_folder import GROUP_KEY, generate_keys, provision
+from asyncrl.core.signing import derive_seed, public_key
+from asyncrl.weights.collective.groups import group_key
 
 
 @pytest.fixture(params=["plain", "curve"])

@@ -7,8 +7,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from asyncrl.message_limits import GENERATOR_HEADER_BYTES, MAX_SAMPLES_PER_MESSAGE
-from asyncrl.messages import (
+from asyncrl.core.message_limits import GENERATOR_HEADER_BYTES, MAX_SAMPLES_PER_MESSAGE
+from asyncrl.core.messages import (
     MAX_EPISODE_COUNT,
     SCHEMA_VERSION,
     EpisodeCounts,

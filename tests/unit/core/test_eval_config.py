@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.tasks import eval_work_items, work_item_factory
+from asyncrl.generation.tasks import eval_work_items, work_item_factory
 from tests.helpers.data import chat_tokenizer, row, write_jsonl
 
 TINY = "model.tiny={}"

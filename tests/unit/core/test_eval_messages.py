@@ -6,7 +6,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     SCHEMA_VERSION,
     StartEval,
     Trajectories,

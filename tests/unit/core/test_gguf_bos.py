@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.models import gguf_adds_bos
+from asyncrl.generation.models import gguf_adds_bos
 
 gguf = pytest.importorskip("gguf")
 
@@ -29,8 +29,8 @@ def test_the_file_s_bos_flag_is_read(tmp_path, flags, adds):
 
 
 def test_a_gguf_tokenizer_whose_file_asks_for_a_bos_puts_one_before_any_text(tmp_path, monkeypatch):
-    from asyncrl import models
-    from asyncrl.tasks import build_tokenizer
+    from asyncrl.generation import models
+    from asyncrl.generation.tasks import build_tokenizer
 
     path = gguf_file(tmp_path / "m.gguf", add_bos_token=True)
     converted = build_tokenizer()  # what transformers' conversion gives: no BOS added

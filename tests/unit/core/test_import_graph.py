@@ -55,48 +55,48 @@ LAYERS = [
             "asyncrl",
             "asyncrl.config",
             "asyncrl.config.",  # the schema as a package, once it is split
-            "asyncrl.envs.config",  # the `environment` section of the schema
-            "asyncrl.messages",
-            "asyncrl.wire",
-            "asyncrl.weight_messages",
-            "asyncrl.transport",
-            "asyncrl.message_limits",
-            "asyncrl.connection_guard",
-            "asyncrl.security",
-            "asyncrl.credentials",
-            "asyncrl.keys_folder",
-            "asyncrl.signing",
-            "asyncrl.paths",
+            "asyncrl.config.environment",  # the `environment` section of the schema
+            "asyncrl.core.messages",
+            "asyncrl.core.wire",
+            "asyncrl.core.weight_messages",
+            "asyncrl.core.transport",
+            "asyncrl.core.message_limits",
+            "asyncrl.core.connection_guard",
+            "asyncrl.core.security",
+            "asyncrl.core.credentials",
+            "asyncrl.core.keys_folder",
+            "asyncrl.core.signing",
+            "asyncrl.core.paths",
             "asyncrl.weights",
             "asyncrl.weights.",
-            "asyncrl.progress",
-            "asyncrl.yaml_files",
-            "asyncrl.machine",
-            "asyncrl.cores",  # which cores each role's process computes on
-            "asyncrl.trajectory",
-            "asyncrl.tracking",
-            "asyncrl.stop_signals",  # every process that stops on a signal, roles included
-            "asyncrl.waiting",
-            "asyncrl.reductions",  # how a statistic combines, declared with it
+            "asyncrl.core.progress",
+            "asyncrl.core.yaml_files",
+            "asyncrl.core.machine",
+            "asyncrl.core.cores",  # which cores each role's process computes on
+            "asyncrl.core.trajectory",
+            "asyncrl.core.tracking",
+            "asyncrl.core.stop_signals",  # every process that stops on a signal, roles included
+            "asyncrl.core.waiting",
+            "asyncrl.core.reductions",  # how a statistic combines, declared with it
         ),
     ),
     Layer(
         "generation",
         (
-            "asyncrl.tasks",
-            "asyncrl.data",
-            "asyncrl.data_files",
-            "asyncrl.rewards",
-            "asyncrl.rewards.",
-            "asyncrl.envs",
-            "asyncrl.envs.",
-            "asyncrl.models",
-            "asyncrl.lora",  # the policy's LoRA adapters (peft)
-            "asyncrl.char_tokenizer",
-            "asyncrl.process_tree",  # user code's processes: started, kept and killed together
-            "asyncrl.contained",
-            "asyncrl.plugin_check",
-            "asyncrl.plugin_check_child",
+            "asyncrl.generation.tasks",
+            "asyncrl.generation.data",
+            "asyncrl.generation.data_files",
+            "asyncrl.generation.rewards",
+            "asyncrl.generation.rewards.",
+            "asyncrl.generation.envs",
+            "asyncrl.generation.envs.",
+            "asyncrl.generation.models",
+            "asyncrl.generation.lora",  # the policy's LoRA adapters (peft)
+            "asyncrl.generation.char_tokenizer",
+            "asyncrl.generation.process_tree",  # user code's processes: started, kept and killed together
+            "asyncrl.generation.contained",
+            "asyncrl.generation.plugin_check",
+            "asyncrl.generation.plugin_check_child",
         ),
     ),
     Layer("roles", ("asyncrl.learner", "asyncrl.generators", "asyncrl.buffer")),
@@ -104,21 +104,21 @@ LAYERS = [
         "run",
         (
             "asyncrl.__main__",
-            "asyncrl.cli",
-            "asyncrl.launch",
-            "asyncrl.ray_cluster",
-            "asyncrl.ray_actors",
-            "asyncrl.ray_placement",
-            "asyncrl.ray_plan",
-            "asyncrl.ray_run",
-            "asyncrl.console",
-            "asyncrl.status",
-            "asyncrl.watchdog",
-            "asyncrl.preflight",
-            "asyncrl.roles",
-            "asyncrl.supervision",
-            "asyncrl.local_run",
-            "asyncrl.closing",
+            "asyncrl.run.cli",
+            "asyncrl.run.launch",
+            "asyncrl.run.ray.cluster",
+            "asyncrl.run.ray.actors",
+            "asyncrl.run.ray.placement",
+            "asyncrl.run.ray.plan",
+            "asyncrl.run.ray.run",
+            "asyncrl.run.console",
+            "asyncrl.run.status",
+            "asyncrl.run.watchdog",
+            "asyncrl.run.preflight",
+            "asyncrl.run.roles",
+            "asyncrl.run.supervision",
+            "asyncrl.run.local_run",
+            "asyncrl.run.closing",
             "asyncrl.testbed",  # several test hosts on one machine, for tests and benchmarks
             "asyncrl.testbed.",
         ),
@@ -143,7 +143,7 @@ def test_the_deployment_folders_map_onto_asyncrl_subpackages():
     assert mapping["asyncrl.learner"] == ROOT / "learner"
     files = module_files(mapping)
     assert files["asyncrl.generators.worker"] == ROOT / "generators" / "worker.py"
-    assert files["asyncrl.envs"] == ROOT / "asyncrl" / "envs" / "__init__.py"
+    assert files["asyncrl.generation.envs"] == ROOT / "asyncrl" / "envs" / "__init__.py"
     assert not any(name.startswith(("learner", "generators", "buffer")) for name in files)
 
 
@@ -214,8 +214,8 @@ def test_layer_violations_name_both_ends():
 def test_importing_the_config_schema_loads_no_sandbox_rewards_or_environments():
     code = (
         "import sys, asyncrl.config; "
-        "print(sorted(m for m in sys.modules if m.startswith(('asyncrl.rewards', "
-        "'asyncrl.envs.', 'asyncrl.tasks')) and m != 'asyncrl.envs.config'))"
+        "print(sorted(m for m in sys.modules if m.startswith(('asyncrl.generation.rewards', "
+        "'asyncrl.generation.envs.', 'asyncrl.generation.tasks')) and m != 'asyncrl.config.environment'))"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT

@@ -7,7 +7,7 @@ import pytest
 
 from asyncrl.buffer.validation import Limits
 from asyncrl.config import MAX_PROCESSES, MAX_TOKENS, Config, load_config
-from asyncrl.message_limits import (
+from asyncrl.core.message_limits import (
     BUFFER_HEADER_BYTES,
     GENERATOR_HEADER_BYTES,
     MAX_SAMPLES_PER_MESSAGE,
@@ -21,9 +21,9 @@ from asyncrl.message_limits import (
     split_for_sending,
     widest_trajectory_frame,
 )
-from asyncrl.messages import Trajectories, TrajectoryMeta, encode
-from asyncrl.trajectory import COLUMNS, Columns
-from asyncrl.weights.zmq_limits import FRAME_MAX_BYTES, HELD_BYTES, guard_limits
+from asyncrl.core.messages import Trajectories, TrajectoryMeta, encode
+from asyncrl.core.trajectory import COLUMNS, Columns
+from asyncrl.weights.zmq.limits import FRAME_MAX_BYTES, HELD_BYTES, guard_limits
 
 TOOLS = [
     "environment.name=tools",

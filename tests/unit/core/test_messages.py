@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import zmq
 
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     SCHEMA_VERSION,
     Ack,
     ArraySpec,
@@ -180,7 +180,7 @@ def test_received_arrays_are_read_only_views():
         received["prompt_ids"].numpy()[0] = 99
 
 
-# Golden bytes, captured from the encoder before asyncrl/messages.py was split into
+# Golden bytes, captured from the encoder before asyncrl/core/messages.py was split into
 # messages, wire and weight_messages (issue 16): peers built either side of a change
 # must keep understanding each other, so the bytes themselves may not move.
 GOLDEN_WORK_REQUEST = bytes.fromhex(

@@ -7,7 +7,7 @@ import sys
 
 import psutil
 
-from asyncrl.process_tree import end_survivors
+from asyncrl.generation.process_tree import end_survivors
 
 
 def spawn(code: str) -> subprocess.Popen:

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from asyncrl.reductions import Reduce, Reduction, Stat
+from asyncrl.core.reductions import Reduce, Reduction, Stat
 
 
 def test_each_kind_combines_as_declared():

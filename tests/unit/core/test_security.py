@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import cli
 from asyncrl.config import ConfigError, load_config
-from asyncrl.keys_folder import GROUP_KEY
-from asyncrl.security import (
+from asyncrl.core.keys_folder import GROUP_KEY
+from asyncrl.core.security import (
     KEY_FILES,
     SecurityError,
     client_context,
@@ -21,6 +20,7 @@ from asyncrl.security import (
     provision_run,
     resolve_keys,
 )
+from asyncrl.run import cli
 
 QUICKSTART = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
 

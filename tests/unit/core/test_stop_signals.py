@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from asyncrl.stop_signals import Interrupted, StopSignals, raise_interrupted
+from asyncrl.core.stop_signals import Interrupted, StopSignals, raise_interrupted
 
 
 def test_the_first_signal_is_the_stop_and_later_ones_hurry_it() -> None:

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from asyncrl.tracking import NullAim, Tracker, aim_name
+from asyncrl.core.tracking import NullAim, Tracker, aim_name
 
 
 def test_aim_names_are_namespaced_by_their_first_word_only_for_known_namespaces():
@@ -135,7 +135,7 @@ def fake_aim(monkeypatch, run: FakeAimRun | Exception) -> None:
             raise run
         return run
 
-    monkeypatch.setattr("asyncrl.tracking.open_aim", open_aim)
+    monkeypatch.setattr("asyncrl.core.tracking.open_aim", open_aim)
 
 
 def read_lines(run_dir) -> list[dict]:
@@ -165,7 +165,7 @@ def test_aim_failing_to_track_is_turned_off_with_one_warning_and_every_step_is_l
     assert [(line["tracking_aim_enabled"], line["tracking_aim_failures_total"])
             for line in read_lines(tmp_path)] == [(1, 0), (0, 1), (0, 1), (0, 1)]  # fmt: skip
     assert len(run.tracked) == 3  # nothing sent to aim once it failed
-    [warning] = [r for r in caplog.records if r.name == "asyncrl.tracking"]
+    [warning] = [r for r in caplog.records if r.name == "asyncrl.core.tracking"]
     assert warning.levelname == "WARNING"
     assert "No space left on device" in warning.getMessage()
     assert "aim is off for the rest of this run" in warning.getMessage()
@@ -207,7 +207,7 @@ def test_closing_aim_that_hangs_is_abandoned_with_a_warning(tmp_path, monkeypatc
 
 
 def test_a_metrics_line_that_cannot_be_written_stops_with_one_line_naming_the_file(tmp_path):
-    from asyncrl.tracking import RecordWriteError
+    from asyncrl.core.tracking import RecordWriteError
 
     (tmp_path / "metrics.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
     tracker = Tracker(tmp_path, "test", {}, use_aim=False)
@@ -222,7 +222,7 @@ def test_a_metrics_line_that_cannot_be_written_stops_with_one_line_naming_the_fi
 
 
 def test_a_trained_groups_line_that_cannot_be_written_stops_likewise(tmp_path):
-    from asyncrl.tracking import JsonLines, RecordWriteError
+    from asyncrl.core.tracking import JsonLines, RecordWriteError
 
     path = tmp_path / "trained_groups.jsonl"
     path.symlink_to("/dev/full")
@@ -237,7 +237,7 @@ EXIT_PROGRAM = """
 import sys
 from pathlib import Path
 from aim.ext.cleanup import AutoClean
-from asyncrl.tracking import Tracker
+from asyncrl.core.tracking import Tracker
 
 class Container:  # stands in for an aim container that a full disk keeps from closing
     pass

@@ -1,4 +1,4 @@
-"""asyncrl.trajectory: the token columns' codec, and the one rule for a trajectory's version."""
+"""asyncrl.core.trajectory: the token columns' codec, and the one rule for a trajectory's version."""
 
 from __future__ import annotations
 
@@ -9,11 +9,8 @@ import pytest
 import torch
 
 from asyncrl.buffer.evaluation import outcome
-from asyncrl.envs.rollout import Trajectory
-from asyncrl.generators.backend import Rollout
-from asyncrl.learner.batch import collate
-from asyncrl.messages import Trajectories, TrajectoryMeta, decode, encode
-from asyncrl.trajectory import (
+from asyncrl.core.messages import Trajectories, TrajectoryMeta, decode, encode
+from asyncrl.core.trajectory import (
     COLUMNS,
     ENV_VERSION,
     UNVERSIONED,
@@ -27,6 +24,9 @@ from asyncrl.trajectory import (
     split_samples,
     trajectory_version,
 )
+from asyncrl.generation.envs.rollout import Trajectory
+from asyncrl.generators.backend import Rollout
+from asyncrl.learner.batch import collate
 
 torch.set_num_threads(1)
 

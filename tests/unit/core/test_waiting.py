@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncrl.waiting import Waited, wait_with_stop
+from asyncrl.core.waiting import Waited, wait_with_stop
 
 
 class Clock:

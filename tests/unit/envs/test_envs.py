@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.envs import (
+from asyncrl.generation.envs import (
     ChatMLFormatter,
     Codec,
     EnvironmentConfig,
@@ -33,9 +33,9 @@ from asyncrl.envs import (
     load_environment,
     run_episode,
 )
-from asyncrl.envs.calculator import CalculatorError, calculate
-from asyncrl.envs.tool_env import default_score
-from asyncrl.envs.tools import validate
+from asyncrl.generation.envs.calculator import CalculatorError, calculate
+from asyncrl.generation.envs.tool_env import default_score
+from asyncrl.generation.envs.tools import validate
 from tests.helpers.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[3]
@@ -356,7 +356,7 @@ def test_scorers():
     trajectory, _ = episode(["the answer: 42"], env=ToolEnvironment([], compute_score=score))
     assert trajectory.reward == 0.5
     assert seen == [("test/arith", "the answer: 42", "42", {"index": 3})]
-    env = ToolEnvironment([], compute_score="asyncrl.envs.tool_env:default_score")
+    env = ToolEnvironment([], compute_score="asyncrl.generation.envs.tool_env:default_score")
     assert env.compute_score is default_score
 
 
@@ -444,8 +444,8 @@ def test_environment_config_and_factory():
 
 
 def test_the_python_tools_isolation_setting(caplog):
-    from asyncrl.envs import check_isolation_for
-    from asyncrl.envs.factory import python_sandbox
+    from asyncrl.generation.envs import check_isolation_for
+    from asyncrl.generation.envs.factory import python_sandbox
 
     config = EnvironmentConfig(name="tools", python_timeout_s=2, python_memory_mb=128)
     assert config.python_isolation == "bubblewrap"
@@ -472,9 +472,9 @@ def test_the_python_tools_isolation_setting(caplog):
 def test_check_isolation_for_refuses_when_bubblewrap_is_missing(monkeypatch):
     from types import SimpleNamespace
 
-    from asyncrl.envs import SandboxUnavailable, check_isolation_for
-    from asyncrl.envs.sandbox import checks as sandbox_checks
-    from asyncrl.envs.sandbox import runner as sandbox_runner
+    from asyncrl.generation.envs import SandboxUnavailable, check_isolation_for
+    from asyncrl.generation.envs.sandbox import checks as sandbox_checks
+    from asyncrl.generation.envs.sandbox import runner as sandbox_runner
 
     monkeypatch.setattr(sandbox_runner, "bwrap_path", lambda name: None)
     # a sandbox that passed once is not probed again in a process: forget the ones
@@ -497,12 +497,12 @@ def test_a_named_reward_function_can_be_left_to_the_driver():
     result = env.step("the answer: 42")
     assert result.done and result.reward == 0.0
     assert result.score_request == ScoreRequest(
-        "asyncrl.envs.tool_env:default_score", "the answer: 42", "test/arith", "42", {"index": 3}
+        "asyncrl.generation.envs.tool_env:default_score", "the answer: 42", "test/arith", "42", {"index": 3}
     )
     assert result.score_request.score_here() == 0.0  # default_score: the whole text != 42
-    named = ToolEnvironment([], compute_score="asyncrl.rewards:gsm8k_score", defer_score=True)
+    named = ToolEnvironment([], compute_score="asyncrl.generation.rewards:gsm8k_score", defer_score=True)
     named.reset(ROW)
-    assert named.step("#### 42").score_request.function == "asyncrl.rewards:gsm8k_score"
+    assert named.step("#### 42").score_request.function == "asyncrl.generation.rewards:gsm8k_score"
     called = ToolEnvironment([], compute_score=lambda *args: 0.5, defer_score=True)
     called.reset(ROW)
     assert called.step("42").reward == 0.5 and called.step("42").score_request is None
@@ -515,7 +515,7 @@ def test_a_named_reward_function_can_be_left_to_the_driver():
 
 class AnswerScoredElsewhere(Echo):
     def step(self, response):
-        request = ScoreRequest("asyncrl.rewards:gsm8k_score", response, "gsm8k", "42")
+        request = ScoreRequest("asyncrl.generation.rewards:gsm8k_score", response, "gsm8k", "42")
         return StepResult(done=True, reward=0.5, score_request=request)
 
 

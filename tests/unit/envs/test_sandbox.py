@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from asyncrl.envs.sandbox import Sandbox, SandboxUnavailable, check_isolation
-from asyncrl.envs.sandbox import interpreter as sandbox_interpreter
-from asyncrl.envs.tools import format_sandbox_output
+from asyncrl.generation.envs.sandbox import Sandbox, SandboxUnavailable, check_isolation
+from asyncrl.generation.envs.sandbox import interpreter as sandbox_interpreter
+from asyncrl.generation.envs.tools import format_sandbox_output
 
 FAST = {"timeout_s": 1.5, "memory_mb": 256}
 BUBBLEWRAP_LAYERS = {"bubblewrap", "user", "pid", "net", "mount", "seccomp", "rlimits"}
@@ -367,7 +367,7 @@ def test_check_isolation_where_namespaces_are_denied():
     from tests.helpers.sandbox import DENY_NAMESPACES
 
     check = (
-        "from asyncrl.envs.sandbox import SandboxUnavailable, check_isolation\n"
+        "from asyncrl.generation.envs.sandbox import SandboxUnavailable, check_isolation\n"
         "try:\n"
         "    check_isolation()\n"
         "    print('PASSED')\n"

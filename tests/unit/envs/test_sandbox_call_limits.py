@@ -27,10 +27,10 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.envs.sandbox import Sandbox, check_isolation
-from asyncrl.envs.sandbox import cgroup_detect as sandbox_cgroups
-from asyncrl.envs.sandbox.cgroup_detect import CgroupSupport
-from asyncrl.envs.sandbox.cgroups import CallLimits, CgroupV1Call, CgroupV2Call
+from asyncrl.generation.envs.sandbox import Sandbox, check_isolation
+from asyncrl.generation.envs.sandbox import cgroup_detect as sandbox_cgroups
+from asyncrl.generation.envs.sandbox.cgroup_detect import CgroupSupport
+from asyncrl.generation.envs.sandbox.cgroups import CallLimits, CgroupV1Call, CgroupV2Call
 
 REPO = Path(__file__).resolve().parents[3]
 pytestmark = [
@@ -454,7 +454,7 @@ def test_a_cgroup_v2_call_is_killed_whole_and_removed():
 
 HOST_CALL = """
 import json, sys
-from asyncrl.envs.sandbox import Sandbox, check_isolation
+from asyncrl.generation.envs.sandbox import Sandbox, check_isolation
 line = check_isolation(Sandbox(timeout_s=5, memory_mb=256))
 result = Sandbox(timeout_s=8, memory_mb=256).run(sys.argv[1])
 print(json.dumps([line, result.stdout, result.layers]))

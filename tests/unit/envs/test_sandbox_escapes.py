@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.envs.sandbox import Sandbox
+from asyncrl.generation.envs.sandbox import Sandbox
 from tests.helpers.sandbox import DENY_NAMESPACES
 
 pytestmark = [
@@ -337,7 +337,7 @@ def test_replacing_the_hooks_code_reaches_nothing(run_dir, unix_listener, tcp_li
 
 HOST_CALL = """
 import json, sys
-from asyncrl.envs.sandbox import Sandbox
+from asyncrl.generation.envs.sandbox import Sandbox
 result = Sandbox(timeout_s=10, memory_mb=256).run(sys.argv[1])
 print("ALIVE", json.dumps([result.returncode, result.stdout, result.stderr]))
 """

@@ -18,7 +18,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from asyncrl.envs import (
+from asyncrl.generation.envs import (
     ChatMLFormatter,
     Codec,
     EnvironmentConfig,
@@ -26,7 +26,11 @@ from asyncrl.envs import (
     ToolEnvironment,
     run_episode,
 )
-from asyncrl.envs.formatting import TemplateFormatError, TemplateFormatter, build_formatter
+from asyncrl.generation.envs.formatting import (
+    TemplateFormatError,
+    TemplateFormatter,
+    build_formatter,
+)
 from asyncrl.generators.episodes import Episodes
 
 QWEN25 = """\

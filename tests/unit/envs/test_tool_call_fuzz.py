@@ -7,7 +7,12 @@ import random
 
 import pytest
 
-from asyncrl.envs.tool_calls import HermesToolCallParser, ParsedTurn, ToolCall, ToolCallError
+from asyncrl.generation.envs.tool_calls import (
+    HermesToolCallParser,
+    ParsedTurn,
+    ToolCall,
+    ToolCallError,
+)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 VALID = '{"name": "calculator", "arguments": {"expression": "1 + 2"}}'

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from asyncrl.envs import tool_calls
-from asyncrl.envs.loading import PluginError
-from asyncrl.envs.tool_calls import (
+from asyncrl.generation.envs import tool_calls
+from asyncrl.generation.envs.loading import PluginError
+from asyncrl.generation.envs.tool_calls import (
     MAX_JSON_DEPTH,
     HermesToolCallParser,
     ParsedTurn,

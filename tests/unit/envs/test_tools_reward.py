@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from asyncrl.config import config_from_dict
-from asyncrl.envs.factory import environment_factory
+from asyncrl.generation.envs.factory import environment_factory
 
 REWARD = Path(__file__).resolve().parents[3] / "examples" / "calculator" / "reward.py"
 
@@ -33,7 +33,7 @@ def test_the_tools_environment_takes_reward_function_when_it_names_none():
 
 
 def test_its_own_compute_score_wins():
-    own = "asyncrl.envs.tool_env:default_score"
+    own = "asyncrl.generation.envs.tool_env:default_score"
     config = config_from_dict(tools_config(kwargs={"compute_score": own}))
     assert config.environment.kwargs["compute_score"] == own
     assert final_answer_reward(config) == 0.0

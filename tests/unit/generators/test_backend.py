@@ -13,12 +13,12 @@ from asyncrl.config import (
     TinyModelConfig,
     load_config,
 )
+from asyncrl.generation.models import build_policy
+from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.generators import backend as contract
 from asyncrl.generators.backend import Backend, Rollout, StopStrings, append_tokens
 from asyncrl.generators.engines import build_backend
 from asyncrl.generators.hf_backend import HFBackend
-from asyncrl.models import build_policy
-from asyncrl.tasks import build_tokenizer
 
 torch.set_num_threads(1)
 

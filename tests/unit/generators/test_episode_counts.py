@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
-from asyncrl.envs.config import EnvironmentConfig
-from asyncrl.envs.threads import StepPool
+from asyncrl.config.environment import EnvironmentConfig
+from asyncrl.core.messages import MAX_EPISODE_COUNT, EpisodeCounts
+from asyncrl.generation.envs.threads import StepPool
+from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.generators.episodes import ERROR_ENVIRONMENT, Episodes, episode_counts
-from asyncrl.messages import MAX_EPISODE_COUNT, EpisodeCounts
-from asyncrl.tasks import build_tokenizer
 from tests.helpers.generators import (
     CountdownEnv,
     ScriptedBackend,

@@ -10,9 +10,13 @@ import pytest
 import torch
 
 from asyncrl.config import GeneratorsConfig, load_config
-from asyncrl.envs import Environment, ScoreRequest, StepResult
-from asyncrl.envs.config import EnvironmentConfig
-from asyncrl.envs.formatting import PlainTextFormatter
+from asyncrl.config.environment import EnvironmentConfig
+from asyncrl.core.messages import WorkItem
+from asyncrl.generation.envs import Environment, ScoreRequest, StepResult
+from asyncrl.generation.envs.formatting import PlainTextFormatter
+from asyncrl.generation.models import build_policy
+from asyncrl.generation.rewards import ERROR_EXCEPTION, ERROR_TIMEOUT, RewardScorer, Score
+from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.generators.episodes import (
     ERROR_ENVIRONMENT,
     ERROR_ENVIRONMENT_TIMEOUT,
@@ -20,10 +24,6 @@ from asyncrl.generators.episodes import (
     Episodes,
 )
 from asyncrl.generators.hf_backend import HFBackend
-from asyncrl.messages import WorkItem
-from asyncrl.models import build_policy
-from asyncrl.rewards import ERROR_EXCEPTION, ERROR_TIMEOUT, RewardScorer, Score
-from asyncrl.tasks import build_tokenizer
 from tests.helpers.generators import (
     CountdownEnv,
     ScriptedBackend,

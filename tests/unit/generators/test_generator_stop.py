@@ -6,8 +6,8 @@ import pytest
 import zmq
 
 from asyncrl.config import load_config
+from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.generators.worker import LEAVE_TIMEOUT_S, STOP_POLL_S, GeneratorReplica
-from asyncrl.tasks import build_tokenizer
 from tests.helpers.generators import NoNewWeights, ScriptedBackend
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from asyncrl.config import GeneratorsConfig, ModelConfig, TinyModelConfig
+from asyncrl.generation.models import build_policy
 from asyncrl.generators.hf_backend import HFBackend, Rollout
-from asyncrl.models import build_policy
 from tests.helpers.generators import CHUNK, MAX_NEW, make_backend, recompute
 
 torch.set_num_threads(1)
@@ -298,9 +298,9 @@ def test_loading_in_parts_checks_every_name_before_the_first_part():
 
 def offer_buckets(state_dict: dict[str, torch.Tensor], skip: set[str]):
     """The collective path's buckets for ``state_dict`` as the shm slot lays it out."""
-    from asyncrl.messages import TensorEntry
-    from asyncrl.weights.collective_buckets import plan_slot_buckets
-    from asyncrl.weights.shm import aligned_layout
+    from asyncrl.core.messages import TensorEntry
+    from asyncrl.weights.collective.buckets import plan_slot_buckets
+    from asyncrl.weights.shm.segment import aligned_layout
 
     names = [name for name in state_dict if name not in skip]
     entries: list[TensorEntry] = aligned_layout(

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from asyncrl.config import GeneratorsConfig, ModelConfig, TinyModelConfig
+from asyncrl.generation.models import build_policy
 from asyncrl.generators.hf_backend import HFBackend
-from asyncrl.models import build_policy
 
 
 def test_a_pool_that_asks_for_no_gpu_generates_on_the_cpu():

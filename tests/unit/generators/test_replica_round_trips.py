@@ -13,9 +13,9 @@ from __future__ import annotations
 import zmq
 
 from asyncrl.config import load_config
+from asyncrl.core.messages import Ack, Leave, Trajectories, WorkGrant, WorkRequest
+from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.generators.worker import GeneratorReplica
-from asyncrl.messages import Ack, Leave, Trajectories, WorkGrant, WorkRequest
-from asyncrl.tasks import build_tokenizer
 from tests.helpers.generators import ScriptedBackend, finished_rollout
 
 

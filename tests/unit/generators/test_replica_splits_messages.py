@@ -1,7 +1,7 @@
 """A replica sends its finished samples in messages that fit the buffer's frame cap.
 
 The buffer's socket drops a peer that sends a frame over its cap
-(``asyncrl.message_limits.buffer_frame_limit``), so a replica with more finished
+(``asyncrl.core.message_limits.buffer_frame_limit``), so a replica with more finished
 samples than one message may hold splits them: every sample arrives once, and every
 frame stays within what the cap was derived from.
 """
@@ -11,15 +11,15 @@ from __future__ import annotations
 import zmq
 
 from asyncrl.config import load_config
-from asyncrl.generators.worker import GeneratorReplica
-from asyncrl.message_limits import (
+from asyncrl.core.message_limits import (
     GENERATOR_HEADER_BYTES,
     TRAJECTORY_MESSAGE_BYTES,
     buffer_frame_limit,
     sample_bytes,
 )
-from asyncrl.messages import Ack, Trajectories, encode
-from asyncrl.tasks import build_tokenizer
+from asyncrl.core.messages import Ack, Trajectories, encode
+from asyncrl.generation.tasks import build_tokenizer
+from asyncrl.generators.worker import GeneratorReplica
 from tests.helpers.generators import PROMPT_LEN, RESPONSE_LEN, NoNewWeights, finished_rollout
 
 SAMPLES = 40

@@ -7,12 +7,12 @@ import time
 import pytest
 import zmq
 
+from asyncrl.core.weight_messages import WEIGHT_SYNC_STATS
 from asyncrl.generators.weight_sync import WeightSync
-from asyncrl.weight_messages import WEIGHT_SYNC_STATS
 from asyncrl.weights import WeightClient
 from asyncrl.weights.checks import WeightsRefused
 from asyncrl.weights.source import Loaded, PathUnavailable, WeightTransferError
-from asyncrl.weights.zmq_source import ZmqSource
+from asyncrl.weights.zmq.source import ZmqSource
 
 
 class Engine:

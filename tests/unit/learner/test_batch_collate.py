@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from asyncrl.core.messages import Trajectories, TrajectoryMeta, decode, encode
 from asyncrl.learner.batch import collate
-from asyncrl.messages import Trajectories, TrajectoryMeta, decode, encode
 
 torch.set_num_threads(1)
 

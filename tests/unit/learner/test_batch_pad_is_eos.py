@@ -12,11 +12,11 @@ import numpy as np
 import torch
 
 from asyncrl.config import GeneratorsConfig, ModelConfig, TinyModelConfig
+from asyncrl.core.messages import Trajectories, TrajectoryMeta, decode, encode
+from asyncrl.generation.models import build_policy
 from asyncrl.generators.hf_backend import HFBackend, Rollout
 from asyncrl.learner.algorithms import token_logprobs
 from asyncrl.learner.batch import collate
-from asyncrl.messages import Trajectories, TrajectoryMeta, decode, encode
-from asyncrl.models import build_policy
 
 torch.set_num_threads(1)
 

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import torch
 
 from asyncrl.config import load_config
+from asyncrl.core.paths import COMPLETE, checkpoint_dir, latest_checkpoint
 from asyncrl.learner import checkpoint
 from asyncrl.learner.checkpointer import Checkpointer, Completer
 from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.policy import Learner
-from asyncrl.paths import COMPLETE, checkpoint_dir, latest_checkpoint
 
 
 def fake_checkpoint(run_dir: Path, step: int, complete: bool = True) -> Path:

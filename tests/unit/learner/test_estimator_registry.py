@@ -187,8 +187,8 @@ def test_a_registered_estimator_is_taken_by_the_config_and_saved_with_its_knob(
 
 
 def test_a_registered_estimator_drives_the_learner(scaled_mean):
+    from asyncrl.generation.tasks import build_tokenizer
     from asyncrl.learner.trainer import Learner
-    from asyncrl.tasks import build_tokenizer
 
     config = load_config(
         None,

@@ -14,10 +14,7 @@ import pytest
 from rich.console import Console
 
 from asyncrl.config import load_config, save_config
-from asyncrl.console import LiveConsole, PlainConsole
-from asyncrl.launch import closing_message
-from asyncrl.learner.final_eval import FINAL_EVAL, FinalEval, final_round
-from asyncrl.messages import (
+from asyncrl.core.messages import (
     SCHEMA_VERSION,
     Ack,
     BatchRequest,
@@ -30,7 +27,10 @@ from asyncrl.messages import (
     decode,
     encode,
 )
-from asyncrl.status import read_metrics, read_records, show
+from asyncrl.learner.final_eval import FINAL_EVAL, FinalEval, final_round
+from asyncrl.run.console import LiveConsole, PlainConsole
+from asyncrl.run.launch import closing_message
+from asyncrl.run.status import read_metrics, read_records, show
 from tests.helpers.buffer_service import LEARNER, Recorded, samples_of
 from tests.helpers.console import append, record
 

@@ -21,13 +21,13 @@ import zmq
 from asyncrl.buffer.durable import check_state
 from asyncrl.buffer.store import SKIP_REASONS, BufferStore
 from asyncrl.config import load_config
+from asyncrl.core.paths import BUFFER_STATE, COMPLETE, TRAINED_GROUPS, checkpoint_dir
+from asyncrl.core.transport import tcp
 from asyncrl.learner import buffer_client, checkpoint
 from asyncrl.learner.buffer_client import BufferClient, BufferStateNotSaved
 from asyncrl.learner.checkpointer import BufferState, Checkpointer, Completer
 from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.policy import Learner
-from asyncrl.paths import BUFFER_STATE, COMPLETE, TRAINED_GROUPS, checkpoint_dir
-from asyncrl.transport import tcp
 from tests.helpers.buffer_samples import group_samples, make_store
 
 
@@ -241,7 +241,7 @@ def test_a_stop_cuts_a_wait_for_a_silent_buffer_short(monkeypatch):
 def test_a_stop_during_an_adapter_announcement_skips_it_and_the_save_reads_past_its_answer(
     monkeypatch,
 ):
-    from asyncrl.messages import Ack, AdapterPublished, SaveBufferState, decode, encode
+    from asyncrl.core.messages import Ack, AdapterPublished, SaveBufferState, decode, encode
 
     monkeypatch.setattr(buffer_client, "FINAL_SAVE_TIMEOUT_S", 0.3)
     context = zmq.Context()

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import torch
 
-from asyncrl import lora
 from asyncrl.config import load_config
+from asyncrl.generation import lora
 from asyncrl.learner import trainer
 from asyncrl.learner.batch_source import Fetched
 from asyncrl.learner.checkpointer import Checkpointer, NoCompleter

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from asyncrl.config import load_config
+from asyncrl.core.paths import COMPLETE, checkpoint_dir, latest_checkpoint
+from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.learner import checkpoint
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.checkpointer import Checkpointer, Completer
 from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.policy import Learner
-from asyncrl.paths import COMPLETE, checkpoint_dir, latest_checkpoint
-from asyncrl.tasks import build_tokenizer
 from tests.helpers.learner import TINY_LEARNER, synthetic_batch
 
 

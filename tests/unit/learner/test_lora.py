@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from asyncrl import lora
 from asyncrl.config import load_config
+from asyncrl.generation import lora
+from asyncrl.generation.models import build_policy
+from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.learner import checkpoint, sharding
 from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.policy import Learner
-from asyncrl.models import build_policy
-from asyncrl.tasks import build_tokenizer
 from tests.helpers.learner import TINY_LEARNER, synthetic_batch
 
 peft = pytest.importorskip("peft")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from asyncrl.config import load_config
+from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.learner import packing
 from asyncrl.learner.algorithms import logprobs as head_chunks
 from asyncrl.learner.batch import TrainBatch
@@ -19,7 +20,6 @@ from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.microbatch import MicroBatch
 from asyncrl.learner.packing import Layout, packed_input, padded_input, token_outputs
 from asyncrl.learner.policy import Learner
-from asyncrl.tasks import build_tokenizer
 from tests.helpers.learner import GROUP, TINY_LEARNER, synthetic_batch
 
 PROMPT = 3

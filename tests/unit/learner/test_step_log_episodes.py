@@ -8,11 +8,11 @@ import json
 from contextlib import ExitStack
 
 from asyncrl.config import load_config
-from asyncrl.console import step_line
+from asyncrl.core.messages import BatchRequest, EpisodeCounts, WorkRequest, decode, encode
 from asyncrl.learner.batch import collate
 from asyncrl.learner.batch_source import Fetched
 from asyncrl.learner.step_log import StepLog
-from asyncrl.messages import BatchRequest, EpisodeCounts, WorkRequest, decode, encode
+from asyncrl.run.console import step_line
 from tests.helpers.buffer_samples import episodes_of
 from tests.helpers.buffer_service import LEARNER, Recorded
 
@@ -60,8 +60,8 @@ def test_a_batch_s_episode_figures_reach_the_step_s_line(tmp_path):
 def test_samples_spanning_versions_are_those_with_model_tokens_of_two_versions():
     import torch
 
+    from asyncrl.core.trajectory import ENV_VERSION
     from asyncrl.learner.step_log import spanning_versions_frac
-    from asyncrl.trajectory import ENV_VERSION
 
     e = ENV_VERSION
     versions = torch.tensor(

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from asyncrl.config import load_config
+from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.learner import checkpoint
 from asyncrl.learner.algorithms import off_policy
 from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.policy import Learner
-from asyncrl.tasks import build_tokenizer
 from tests.helpers.learner import TINY_LEARNER, synthetic_batch
 
 
@@ -146,8 +146,8 @@ def test_the_abs_kl_estimator_is_reported_in_the_loss(ranks: Ranks):
 
 def test_a_tied_lm_head_is_published_once_and_the_engine_ties_it_back(ranks: Ranks):
     from asyncrl.config import GeneratorsConfig
+    from asyncrl.generation.models import build_policy
     from asyncrl.generators.hf_backend import HFBackend
-    from asyncrl.models import build_policy
 
     learner = make_learner(ranks)
     full = weights(learner)

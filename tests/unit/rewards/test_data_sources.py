@@ -8,11 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import preflight as preflight_module
-from asyncrl import tasks
-from asyncrl.envs.tool_env import default_score
-from asyncrl.preflight import preflight
-from asyncrl.rewards import (
+from asyncrl.generation import tasks
+from asyncrl.generation.envs.tool_env import default_score
+from asyncrl.generation.rewards import (
     ERROR_NO_FUNCTION,
     RewardFunctionError,
     builtin_reward_function,
@@ -24,7 +22,9 @@ from asyncrl.rewards import (
     math_score,
     reward_range,
 )
-from asyncrl.rewards.worker import score_one
+from asyncrl.generation.rewards.worker import score_one
+from asyncrl.run import preflight as preflight_module
+from asyncrl.run.preflight import preflight
 from tests.helpers.preflight import character_tokenizer_dir, config_for, jsonl, problems_of, row
 
 VERL_NAMES = {
@@ -82,7 +82,7 @@ def test_an_environment_default_score_resolves_the_same_way():
 
 
 # --------------------------------------------------------------------------
-# at start-up (asyncrl.preflight)
+# at start-up (asyncrl.run.preflight)
 
 
 @pytest.fixture(scope="module")

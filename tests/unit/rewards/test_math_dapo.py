@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.rewards import extract_dapo_answer, math_dapo_score, normalize_dapo_answer
+from asyncrl.generation.rewards import extract_dapo_answer, math_dapo_score, normalize_dapo_answer
 
 
 @pytest.mark.parametrize(

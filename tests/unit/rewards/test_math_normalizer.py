@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.rewards import math_equal, math_score, normalize_math_answer
+from asyncrl.generation.rewards import math_equal, math_score, normalize_math_answer
 
 COLUMN = r"\begin{pmatrix}1\\2\end{pmatrix}"
 

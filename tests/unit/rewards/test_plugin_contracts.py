@@ -3,9 +3,9 @@
 ``compute_score``) and environments (``environment.name``).
 
 Each plug-in is a module of its own on the import path, loaded by the loader the
-product uses (:func:`asyncrl.rewards.load_reward_function` in the
-:class:`~asyncrl.rewards.RewardScorer`'s workers;
-:func:`asyncrl.envs.factory.environment_factory` in a generator replica), so what
+product uses (:func:`asyncrl.generation.rewards.load_reward_function` in the
+:class:`~asyncrl.generation.rewards.RewardScorer`'s workers;
+:func:`asyncrl.generation.envs.factory.environment_factory` in a generator replica), so what
 passes here is what a run accepts.
 """
 
@@ -16,12 +16,12 @@ import textwrap
 
 import pytest
 
-from asyncrl.envs import Codec, PlainTextFormatter, StepResult, run_episode
-from asyncrl.envs.base import Environment, ScoreRequest
-from asyncrl.envs.config import ISOLATIONS, EnvironmentConfig
-from asyncrl.envs.factory import environment_factory, load_environment
-from asyncrl.envs.loading import PluginError
-from asyncrl.rewards import (
+from asyncrl.config.environment import ISOLATIONS, EnvironmentConfig
+from asyncrl.generation.envs import Codec, PlainTextFormatter, StepResult, run_episode
+from asyncrl.generation.envs.base import Environment, ScoreRequest
+from asyncrl.generation.envs.factory import environment_factory, load_environment
+from asyncrl.generation.envs.loading import PluginError
+from asyncrl.generation.rewards import (
     REWARD_FUNCTIONS,
     RewardFunctionError,
     RewardScorer,
@@ -31,7 +31,7 @@ from asyncrl.rewards import (
 )
 
 PLUGINS = '''
-from asyncrl.envs import Environment, ScoreRequest, StepResult
+from asyncrl.generation.envs import Environment, ScoreRequest, StepResult
 
 
 def exact(data_source, solution_str, ground_truth, extra_info=None):
@@ -207,7 +207,7 @@ def test_a_score_request_from_an_environment_is_scored_by_the_named_function(plu
 @pytest.mark.parametrize(
     "spec, kwargs, message",
     [
-        ("NoStep", {}, "neither subclasses asyncrl.envs.Environment nor has reset"),
+        ("NoStep", {}, "neither subclasses asyncrl.generation.envs.Environment nor has reset"),
         ("not_a_class", {}, "is a Guess, not a class"),
         ("Guess", {"colour": "red"}, r"Guess\(\*\*\['colour'\]\) failed"),
         ("Missing", {}, "Missing"),
@@ -221,6 +221,6 @@ def test_an_environment_that_breaks_the_contract_fails_when_the_factory_is_made(
 
 
 def test_the_schema_and_the_sandbox_know_the_same_isolations():
-    from asyncrl.envs.sandbox import ISOLATIONS as SANDBOX_ISOLATIONS
+    from asyncrl.generation.envs.sandbox import ISOLATIONS as SANDBOX_ISOLATIONS
 
     assert ISOLATIONS == SANDBOX_ISOLATIONS

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.rewards import RewardScorer, Score
-from asyncrl.rewards.channel import decode_reply, take_frames
+from asyncrl.generation.rewards import RewardScorer, Score
+from asyncrl.generation.rewards.channel import decode_reply, take_frames
 
 ROGUE_FUNCTIONS = """
 import os
@@ -279,8 +279,8 @@ def test_a_worker_never_unpickles_what_reaches_its_channel(tmp_path):
 
     import msgspec
 
-    from asyncrl.rewards.channel import framed
-    from asyncrl.rewards.worker import read_job_batch
+    from asyncrl.generation.rewards.channel import framed
+    from asyncrl.generation.rewards.worker import read_job_batch
 
     marker = tmp_path / "ran"
     scorer_end, worker_end = socket.socketpair()
@@ -303,7 +303,7 @@ def test_numpy_values_in_a_job_reach_the_function_as_plain_data(rogue):
 def test_samples_submitted_together_go_to_the_worker_in_one_batch_and_keep_their_order(
     rogue, monkeypatch
 ):
-    import asyncrl.rewards.scorer as scorer_module
+    import asyncrl.generation.rewards.scorer as scorer_module
 
     frames = []
     real_encode = scorer_module.encode_jobs

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from asyncrl import tasks
 from asyncrl.config import ConfigError, load_config
-from asyncrl.rewards import (
+from asyncrl.generation import tasks
+from asyncrl.generation.rewards import (
     REWARD_FUNCTIONS,
     RewardFunctionError,
     RewardScorer,
@@ -175,7 +175,7 @@ def user_file(tmp_path_factory):
 
 
 def test_load_by_module_and_by_file(user_file):
-    assert load_reward_function("asyncrl.rewards:gsm8k_score") is gsm8k_score
+    assert load_reward_function("asyncrl.generation.rewards:gsm8k_score") is gsm8k_score
     exact = load_reward_function(f"{user_file}:exact")
     assert exact("x", " 42 ", "42", None) == 1.0
     assert load_reward_function(f"{user_file}:exact") is exact  # loaded once
@@ -185,10 +185,10 @@ def test_load_by_module_and_by_file(user_file):
     "spec, message",
     [
         ("gsm8k_score", "expected module:function or path/to/file.py:function"),
-        ("asyncrl.rewards:", "expected module:function"),
+        ("asyncrl.generation.rewards:", "expected module:function"),
         ("missing_dir/nothing.py:f", "no such file"),
         ("asyncrl.no_such_module:f", "cannot import module 'asyncrl.no_such_module'"),
-        ("asyncrl.rewards:no_such_function", "has no 'no_such_function'"),
+        ("asyncrl.generation.rewards:no_such_function", "has no 'no_such_function'"),
     ],
 )
 def test_bad_specs_say_what_is_wrong(spec, message):

@@ -12,8 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from asyncrl.rewards import RewardFunctionError, RewardScorer
-from asyncrl.rewards import scorer as scorer_module
+from asyncrl.generation.rewards import RewardFunctionError, RewardScorer
+from asyncrl.generation.rewards import scorer as scorer_module
 
 DAEMON_WHEN_CALLED = """\
 import os, time

@@ -121,7 +121,7 @@ def test_read_metrics_keeps_the_last_line_of_a_repeated_step(tmp_path: Path):
 
 
 def test_role_name_reads_the_launchers_command_lines():
-    base = ["python", "-m", "asyncrl.roles"]
+    base = ["python", "-m", "asyncrl.run.roles"]
     assert common.role_name([*base, "learner", "/r"]) == "learner"
     generator = [*base, "generator", "/r", "--index", "1", "--pool", "default"]
     assert common.role_name(generator) == "generator-1"

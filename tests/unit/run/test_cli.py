@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.cli import main
+from asyncrl.run.cli import main
 
 
 def test_overrides_may_follow_an_option(tmp_path, monkeypatch):
@@ -18,7 +18,7 @@ def test_overrides_may_follow_an_option(tmp_path, monkeypatch):
         launched.update(config=config, quiet=quiet)
         return 0
 
-    monkeypatch.setattr("asyncrl.launch.launch", fake_launch)
+    monkeypatch.setattr("asyncrl.run.launch.launch", fake_launch)
     argv = ["launch", str(config), "buffer.max_staleness=2", "--quiet", "run.total_steps=7"]
     assert main(argv) == 0
     assert launched["quiet"] is True
@@ -46,8 +46,8 @@ def test_export_model_names_a_missing_gguf_file(tmp_path, capsys):
 def test_launch_refuses_to_run_model_code_without_its_sandbox(tmp_path, monkeypatch, capsys):
     """A tool environment whose isolation cannot be built stops the launch before any
     process or run directory exists, with one line that says how to install it."""
-    from asyncrl.envs.sandbox import checks as sandbox_checks
-    from asyncrl.envs.sandbox import runner as sandbox_runner
+    from asyncrl.generation.envs.sandbox import checks as sandbox_checks
+    from asyncrl.generation.envs.sandbox import runner as sandbox_runner
 
     monkeypatch.setattr(sandbox_runner, "bwrap_path", lambda name: None)  # not installed
     monkeypatch.setattr(sandbox_checks, "_CHECKED", set())  # forget earlier tests' probes
@@ -110,7 +110,7 @@ def test_launch_refuses_a_bad_data_file_before_any_process_or_run_directory(
     def no_run_dir(*args):
         raise AssertionError("the launch went on to create its run directory")
 
-    monkeypatch.setattr("asyncrl.launch.make_run_dir", no_run_dir)
+    monkeypatch.setattr("asyncrl.run.launch.make_run_dir", no_run_dir)
     data = tmp_path / "train.jsonl"
     data.write_bytes(b'{"prompt": [{"role": "user", "content": "caf\xe9"}]}\n')
     run_dir = tmp_path / "run"
@@ -129,7 +129,7 @@ def test_launch_refuses_a_reward_function_that_raises_on_the_built_in_task(
     tmp_path, monkeypatch, capsys
 ):
     """The issue: generators failed at start-up and restarted for ever."""
-    monkeypatch.setattr("asyncrl.launch.make_run_dir", lambda *args: pytest.fail("started"))
+    monkeypatch.setattr("asyncrl.run.launch.make_run_dir", lambda *args: pytest.fail("started"))
     argv = ["launch", str(tiny_config(tmp_path)), raising_reward(tmp_path), "--quiet"]
     assert main([*argv, "--run-dir", str(tmp_path / "run")]) == 2
     assert "KeyError: 'answer'" in capsys.readouterr().err
@@ -151,8 +151,8 @@ def test_what_the_machine_lacks_warns_in_validate_and_refuses_a_launch(
 ):
     """A config may be meant for a bigger machine: validate says so, launch stops."""
     lacks = ["learner.device=cuda, but this machine has no CUDA device"]
-    monkeypatch.setattr("asyncrl.preflight.machine_problems", lambda config: lacks)
-    monkeypatch.setattr("asyncrl.launch.make_run_dir", lambda *args: pytest.fail("started"))
+    monkeypatch.setattr("asyncrl.run.preflight.machine_problems", lambda config: lacks)
+    monkeypatch.setattr("asyncrl.run.launch.make_run_dir", lambda *args: pytest.fail("started"))
     config = str(tiny_config(tmp_path))
     assert main(["validate", config]) == 0
     out, err = capsys.readouterr()

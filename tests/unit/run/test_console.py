@@ -8,7 +8,7 @@ import json
 from rich.console import Console
 
 from asyncrl.config import load_config
-from asyncrl.console import LiveConsole, MetricsFollower, PlainConsole, ReplicaHealth, step_line
+from asyncrl.run.console import LiveConsole, MetricsFollower, PlainConsole, ReplicaHealth, step_line
 from tests.helpers.console import RECORD
 
 

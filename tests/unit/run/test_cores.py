@@ -1,4 +1,4 @@
-"""Each learner rank and generator replica computes on cores of its own (asyncrl/cores.py)."""
+"""Each learner rank and generator replica computes on cores of its own (asyncrl/core/cores.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.cores import CORES_ENV, CorePlan, pinning_problems, plan_cores, torch_threads
-from asyncrl.machine import machine_problems
+from asyncrl.core.cores import CORES_ENV, CorePlan, pinning_problems, plan_cores, torch_threads
+from asyncrl.core.machine import machine_problems
 
 REAL_MODEL = Path(__file__).parents[3] / "configs" / "smollm2_arithmetic.yaml"
 

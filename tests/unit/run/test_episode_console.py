@@ -7,7 +7,7 @@ import io
 from rich.console import Console
 
 from asyncrl.config import load_config
-from asyncrl.console import LiveConsole, PlainConsole, step_line
+from asyncrl.run.console import LiveConsole, PlainConsole, step_line
 from tests.helpers.console import RECORD, append, record
 
 EPISODES = {

@@ -7,8 +7,8 @@ import io
 from rich.console import Console
 
 from asyncrl.config import load_config, save_config
-from asyncrl.console import LiveConsole, PlainConsole
-from asyncrl.status import show
+from asyncrl.run.console import LiveConsole, PlainConsole
+from asyncrl.run.status import show
 from tests.helpers.console import append, record
 
 

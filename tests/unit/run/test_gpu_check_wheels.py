@@ -37,12 +37,12 @@ CHECK_FILES = [
     *sorted((ROOT / "tests" / "gpu").glob("*.py")),
 ]
 ENTRY_POINTS = [
-    "asyncrl.cli",  # asyncrl launch
-    "asyncrl.roles",  # each role process, which runs one of:
+    "asyncrl.run.cli",  # asyncrl launch
+    "asyncrl.run.roles",  # each role process, which runs one of:
     "asyncrl.buffer.main",
     "asyncrl.learner.trainer",
     "asyncrl.generators.main",
-    "asyncrl.rewards.worker",  # the reward workers (python -c)
+    "asyncrl.generation.rewards.worker",  # the reward workers (python -c)
 ]
 """The modules the processes the check starts run as their main."""
 GPU_PYTHON = {  # the machine's interpreter, for the wheels' requirement markers

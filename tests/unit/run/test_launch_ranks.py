@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import supervision
 from asyncrl.config import load_config, save_config
-from asyncrl.local_run import RankGroup, Supervisor
-from asyncrl.roles import CONFIG_ENV, config_env, read_config
+from asyncrl.run import supervision
+from asyncrl.run.local_run import RankGroup, Supervisor
+from asyncrl.run.roles import CONFIG_ENV, config_env, read_config
 from tests.helpers.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[3]
@@ -128,7 +128,7 @@ def test_a_role_runs_the_launcher_s_config_and_reads_the_file_only_by_hand(
     assert read_config(tmp_path) == launched
     assert CONFIG_ENV not in os.environ  # the role's children do not get it
 
-    assert read_config(tmp_path) == planted  # `python -m asyncrl.roles` started by hand
+    assert read_config(tmp_path) == planted  # `python -m asyncrl.run.roles` started by hand
 
 
 def test_the_config_handed_over_is_validated_like_any_other(

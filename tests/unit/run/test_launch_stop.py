@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import closing, launch, local_run, supervision
 from asyncrl.config import load_config
-from asyncrl.local_run import Supervisor
-from asyncrl.supervision import stop_phases, stop_timeout_s
+from asyncrl.run import closing, launch, local_run, supervision
+from asyncrl.run.local_run import Supervisor
+from asyncrl.run.supervision import stop_phases, stop_timeout_s
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -152,8 +152,8 @@ def test_a_failed_run_on_a_full_disk_says_so(tmp_path, monkeypatch, free_mib, sa
 
 
 def test_the_stop_removes_the_weights_segment_a_killed_learner_left(tmp_path: Path) -> None:
-    from asyncrl.weights.shm import POINTER_FILE, SHM_DIR
-    from asyncrl.weights.shm_writer import ShmWriter
+    from asyncrl.weights.shm.segment import POINTER_FILE, SHM_DIR
+    from asyncrl.weights.shm.writer import ShmWriter
 
     writer = ShmWriter(tmp_path)  # the learner's writer, as rank 0 makes it
     assert writer.create([]) or pytest.skip("no writable /dev/shm here")

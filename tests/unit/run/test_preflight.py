@@ -1,4 +1,4 @@
-"""Launch-time checks (asyncrl.preflight): every problem one line, naming the config key
+"""Launch-time checks (asyncrl.run.preflight): every problem one line, naming the config key
 and, for data, the file and row; a reward function is called in a worker process."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import preflight as preflight_module
 from asyncrl.config import load_config
-from asyncrl.preflight import preflight
+from asyncrl.run import preflight as preflight_module
+from asyncrl.run.preflight import preflight
 from tests.helpers.preflight import character_tokenizer_dir, config_for, jsonl, problems_of, row
 
 ROOT = Path(__file__).resolve().parents[3]

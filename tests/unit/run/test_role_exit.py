@@ -1,5 +1,5 @@
 """A buffer or generator process that finished its work ends without finalizing the
-interpreter (``asyncrl.roles.end_without_finalizing``): its exit handlers still run and
+interpreter (``asyncrl.run.roles.end_without_finalizing``): its exit handlers still run and
 nothing it printed or logged is lost, but the objects the interpreter would free one by
 one at finalization (a second of every stop, once torch is imported) are left to the
 kernel."""
@@ -11,7 +11,7 @@ import sys
 
 PROGRAM = """
 import atexit, logging, sys
-from asyncrl.roles import end_without_finalizing
+from asyncrl.run.roles import end_without_finalizing
 
 class FreedAtFinalization:
     def __del__(self):

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.cli import main
 from asyncrl.config import load_config
-from asyncrl.envs import ToolEnvironment
-from asyncrl.envs.factory import environment_factory
-from asyncrl.rewards import REWARD_FUNCTIONS, check_reward_sources
+from asyncrl.generation.envs import ToolEnvironment
+from asyncrl.generation.envs.factory import environment_factory
+from asyncrl.generation.rewards import REWARD_FUNCTIONS, check_reward_sources
+from asyncrl.run.cli import main
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 

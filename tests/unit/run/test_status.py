@@ -8,7 +8,7 @@ import json
 from rich.console import Console
 
 from asyncrl.config import load_config, save_config
-from asyncrl.status import read_metrics, show
+from asyncrl.run.status import read_metrics, show
 
 
 def record(step: int) -> dict:

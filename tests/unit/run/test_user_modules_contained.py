@@ -17,13 +17,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from asyncrl import contained
 from asyncrl.config import load_config
-from asyncrl.preflight import PreflightError, preflight
+from asyncrl.generation import contained
+from asyncrl.run.preflight import PreflightError, preflight
 
 ROOT = Path(__file__).resolve().parents[3]
 WITHOUT_NAMESPACE = (
-    "import asyncrl.contained as c; c.enter_pid_namespace = lambda: False; c.keeper_main()"
+    "import asyncrl.generation.contained as c; c.enter_pid_namespace = lambda: False; c.keeper_main()"
 )
 
 HANGS = "import time\ntime.sleep(3600)\n"

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import progress
 from asyncrl.config import load_config
-from asyncrl.local_run import Supervisor
-from asyncrl.progress import Progress, progress_path
-from asyncrl.supervision import Replica
-from asyncrl.watchdog import (
+from asyncrl.core import progress
+from asyncrl.core.progress import Progress, progress_path
+from asyncrl.run.local_run import Supervisor
+from asyncrl.run.supervision import Replica
+from asyncrl.run.watchdog import (
     START_FAILURES,
     START_TIMEOUT_S,
     StartFailures,

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.data import PromptDataset
-from asyncrl.rewards import load_reward_function
-from asyncrl.tasks import build_tokenizer
+from asyncrl.generation.data import PromptDataset
+from asyncrl.generation.rewards import load_reward_function
+from asyncrl.generation.tasks import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "arithmetic"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.envs.factory import environment_factory
+from asyncrl.generation.envs.factory import environment_factory
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "calculator"

@@ -15,10 +15,10 @@ from tokenizers import processors
 from transformers import PreTrainedTokenizerFast
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.data import MAX_LINE_BYTES, DataError, PromptDataset, scan_rows
-from asyncrl.messages import WorkGrant, WorkItem, decode, encode
-from asyncrl.rewards import RewardFunctionError
-from asyncrl.tasks import build_tokenizer, work_item_factory
+from asyncrl.core.messages import WorkGrant, WorkItem, decode, encode
+from asyncrl.generation.data import MAX_LINE_BYTES, DataError, PromptDataset, scan_rows
+from asyncrl.generation.rewards import RewardFunctionError
+from asyncrl.generation.tasks import build_tokenizer, work_item_factory
 from tests.helpers.data import TEMPLATE, chat_tokenizer, row, write_jsonl
 
 ROWS = [row("What is 8 * 9?"), row("Add 2 and 3.", "5"), row("And 10 - 4?", "6")]
@@ -62,8 +62,8 @@ def test_plain_text_prompts_are_used_as_they_are_with_the_tokenizer_s_bos(tmp_pa
 
 
 def test_a_plain_text_prompt_and_an_environment_do_not_mix(tmp_path, tokenizer):
-    from asyncrl.data import PromptRow
-    from asyncrl.tasks import _row_item
+    from asyncrl.generation.data import PromptRow
+    from asyncrl.generation.tasks import _row_item
 
     config = load_config(None, ["model.tiny={}", "environment.name=tools"])
     plain = PromptRow(0, [5, 6], "arithmetic", "42", source="a.jsonl:3")
@@ -303,7 +303,7 @@ def test_the_real_tokenizers_template_renders_rows_and_its_errors_name_the_row(t
     """SmolLM2's own tokenizer: its template renders a row (with its default system
     turn), and a template of the Mistral kind, which refuses a system turn, fails
     through transformers' own ``raise_exception`` with the row named."""
-    from asyncrl.models import load_tokenizer
+    from asyncrl.generation.models import load_tokenizer
 
     tokenizer = load_tokenizer(str(SMOLLM2))
     path = write_jsonl(tmp_path / "train.jsonl", [row("What is 8 * 9?")])

@@ -15,10 +15,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from asyncrl import data_files
 from asyncrl.config import load_config
-from asyncrl.data import DataError, Row, scan_rows
-from asyncrl.preflight import PreflightError, preflight
+from asyncrl.generation import data_files
+from asyncrl.generation.data import DataError, Row, scan_rows
+from asyncrl.run.preflight import PreflightError, preflight
 
 
 def row(question: str = "What is 8 * 9?", **fields) -> dict:
@@ -131,7 +131,7 @@ def test_a_file_of_more_rows_than_its_cap_is_refused(tmp_path, monkeypatch, suff
 
 SCAN_AND_REPORT_PEAK = """
 import sys
-from asyncrl.data import DataError, scan_rows
+from asyncrl.generation.data import DataError, scan_rows
 try:
     list(scan_rows(sys.argv[1]))
 except DataError as error:

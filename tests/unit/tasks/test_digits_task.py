@@ -13,7 +13,7 @@ import itertools
 import pytest
 
 from asyncrl.config import TaskConfig
-from asyncrl.tasks import DigitsTask, build_tokenizer, digits_score
+from asyncrl.generation.tasks import DigitsTask, build_tokenizer, digits_score
 
 SOURCE = "synthetic/digits"
 

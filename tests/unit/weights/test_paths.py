@@ -7,9 +7,9 @@ import pytest
 from asyncrl.config import Config, ModelConfig, TinyModelConfig, WeightsConfig
 from asyncrl.weights import WeightPublisher
 from asyncrl.weights.paths import chain_paths, learner_sink, replica_sources
-from asyncrl.weights.shm import POINTER_FILE
-from asyncrl.weights.shm_publisher import ShmPublisher
-from asyncrl.weights.shm_reader import ShmSource
+from asyncrl.weights.shm.publisher import ShmPublisher
+from asyncrl.weights.shm.reader import ShmSource
+from asyncrl.weights.shm.segment import POINTER_FILE
 
 
 def config(**weights) -> Config:

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import asyncrl.weights.shm_writer as shm_writer
+import asyncrl.weights.shm.writer as shm_writer
 from asyncrl.generators.backend import check_state_dict
-from asyncrl.weights.shm import PAGE, POINTER_FILE, PROGRESS_OFFSET
-from asyncrl.weights.shm_reader import ShmSource
-from asyncrl.weights.shm_writer import ShmWriter
+from asyncrl.weights.shm.reader import ShmSource
+from asyncrl.weights.shm.segment import PAGE, POINTER_FILE, PROGRESS_OFFSET
+from asyncrl.weights.shm.writer import ShmWriter
 from asyncrl.weights.source import PathUnavailable, WeightTransferError
 
 NAMES = {"w", "b", "h"}
@@ -84,7 +84,7 @@ def started_writer(run_dir: Path, shm_dir: Path, versions=(1,)) -> ShmWriter:
 
 
 def _entry(name, tensor):
-    from asyncrl.messages import TensorEntry
+    from asyncrl.core.messages import TensorEntry
     from asyncrl.weights.layout import TORCH_DTYPES
 
     nbytes = tensor.numel() * tensor.element_size()
@@ -427,9 +427,9 @@ def test_a_version_that_outgrows_the_slots_retires_the_segment_and_keeps_every_t
 def test_zeromq_copies_the_newest_version_from_shared_memory_only_when_asked(dirs):
     import zmq
 
-    from asyncrl.transport import free_port, tcp
+    from asyncrl.core.transport import free_port, tcp
     from asyncrl.weights import WeightClient, WeightPublisher
-    from asyncrl.weights.shm_publisher import ShmPublisher
+    from asyncrl.weights.shm.publisher import ShmPublisher
 
     run_dir, shm_dir = dirs
     publisher = WeightPublisher(tcp("127.0.0.1", free_port()))

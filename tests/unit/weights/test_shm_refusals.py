@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncrl.core.messages import TensorEntry
 from asyncrl.generators.weight_sync import WeightSync
-from asyncrl.messages import TensorEntry
 from asyncrl.weights.layout import TORCH_DTYPES
-from asyncrl.weights.shm_reader import ShmSource
-from asyncrl.weights.shm_writer import ShmWriter
+from asyncrl.weights.shm.reader import ShmSource
+from asyncrl.weights.shm.writer import ShmWriter
 from tests.helpers.weights import EMBEDDING, NAN, holds, make_backend, published, sample, tamper
 
 torch.set_num_threads(1)

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from asyncrl.messages import TensorEntry
+from asyncrl.core.messages import TensorEntry
 from asyncrl.weights.checks import (
     Layout,
     Refusals,
@@ -18,7 +18,7 @@ from asyncrl.weights.checks import (
     check_layout,
     nonfinite,
 )
-from asyncrl.weights.collective_buckets import Spec
+from asyncrl.weights.collective.buckets import Spec
 
 LAYOUT = Layout(
     {"w": Spec((2, 3), "float32"), "h": Spec((4,), "bfloat16"), "head": Spec((2, 3), "float32")},

@@ -12,10 +12,10 @@ import pytest
 import torch
 import zmq
 
-from asyncrl.transport import free_port, tcp
+from asyncrl.core.transport import free_port, tcp
 from asyncrl.weights import WeightClient, WeightPublisher
 from asyncrl.weights.checks import WeightsRefused
-from asyncrl.weights.zmq_source import ZmqSource
+from asyncrl.weights.zmq.source import ZmqSource
 from tests.helpers.weights import EMBEDDING, holds, make_backend, published, sample
 
 

@@ -6,9 +6,9 @@ from collections import Counter
 
 import pytest
 
-from asyncrl.weights.collective_sender import CollectiveSender
-from asyncrl.weights.shm_publisher import ShmPublisher
-from asyncrl.weights.shm_writer import ShmWriter
+from asyncrl.weights.collective.sender import CollectiveSender
+from asyncrl.weights.shm.publisher import ShmPublisher
+from asyncrl.weights.shm.writer import ShmWriter
 from asyncrl.weights.snapshot import SnapshotStore
 from tests.helpers.collective import BUCKET_BYTES, LEARNER_KEY
 

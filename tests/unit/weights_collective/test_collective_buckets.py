@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.messages import TensorEntry
-from asyncrl.signing import SIGNATURE_BYTES, group_key_pair
-from asyncrl.weights.collective_buckets import (
+from asyncrl.core.messages import TensorEntry
+from asyncrl.core.signing import SIGNATURE_BYTES, group_key_pair
+from asyncrl.weights.collective.buckets import (
     Accept,
     Ask,
     Bucket,
@@ -23,8 +23,8 @@ from asyncrl.weights.collective_buckets import (
     seal,
     unseal,
 )
-from asyncrl.weights.collective_receiver import bucket_views
-from asyncrl.weights.shm import aligned_layout
+from asyncrl.weights.collective.receiver import bucket_views
+from asyncrl.weights.shm.segment import aligned_layout
 from asyncrl.weights.source import WeightTransferError
 
 LEARNER, REPLICA = group_key_pair(b"L" * 32, b"G" * 32)

@@ -8,10 +8,10 @@ from collections import Counter
 import pytest
 import torch
 
-from asyncrl.signing import group_key_pair
-from asyncrl.weights.collective import JOIN_QUEUE, connect_store
-from asyncrl.weights.collective_buckets import JoinRequest, seal
-from asyncrl.weights.collective_sender import CollectiveSender
+from asyncrl.core.signing import group_key_pair
+from asyncrl.weights.collective.buckets import JoinRequest, seal
+from asyncrl.weights.collective.groups import JOIN_QUEUE, connect_store
+from asyncrl.weights.collective.sender import CollectiveSender
 from asyncrl.weights.snapshot import SnapshotStore
 from tests.helpers.collective import LEARNER_KEY, running_replica, version_tensors
 

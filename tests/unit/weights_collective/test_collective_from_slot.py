@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-import asyncrl.weights.collective_outgoing as outgoing
-import asyncrl.weights.shm_writer as shm_writer
-from asyncrl.weights.shm import PROGRESS_OFFSET
+import asyncrl.weights.collective.outgoing as outgoing
+import asyncrl.weights.shm.writer as shm_writer
+from asyncrl.weights.shm.segment import PROGRESS_OFFSET
 from tests.helpers.collective import (
     BUCKET_BYTES,
     LAYERS,

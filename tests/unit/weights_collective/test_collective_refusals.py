@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.weights.shm import SHM_DIR
+from asyncrl.weights.shm.segment import SHM_DIR
 from tests.helpers.collective import (
     BUCKET_BYTES,
     LAYERS,
