@@ -159,7 +159,8 @@ class GeneratorReplica:
         self.stats["chunk_s_max"] = 0.0  # the longest engine call: liveness must not mind it
         self.started_at = time.monotonic()
         self.scorer = RewardScorer.from_config(config.reward)
-        """Scores finished samples in worker processes, off this loop (asyncrl.generation.rewards)."""
+        """Scores finished samples in worker processes, off this loop
+        (asyncrl.generation.rewards)."""
         self.scoring: list[tuple[Rollout, Future]] = []
         """Finished samples waiting for their reward."""
         self.extra_info: dict[int, list] = {}

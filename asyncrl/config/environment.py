@@ -25,7 +25,8 @@ def _not_a_bool(value: Any) -> Any:
 
 Isolation = Literal["bubblewrap", "none"]
 ISOLATIONS: tuple[str, ...] = get_args(Isolation)
-"""The python tool's isolations; the sandbox (:mod:`asyncrl.generation.envs.sandbox`) knows the same."""
+"""The python tool's isolations; the sandbox (:mod:`asyncrl.generation.envs.sandbox`) knows
+the same."""
 
 Float = Annotated[float, BeforeValidator(_not_a_bool)]
 """A float setting: ints and numeric strings (YAML reads `1e-3` as one) pass, booleans do not."""

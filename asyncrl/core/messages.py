@@ -122,7 +122,8 @@ BASE_DIGEST = "base"
 """The digest of a LoRA adapter that computes the base model (every ``B`` zero), and of no
 adapter at all: what a replica serves before its first adapter, and version 0 of a run."""
 AdapterDigest = Annotated[str, msgspec.Meta(pattern=rf"^({BASE_DIGEST}|[0-9a-f]{{32}})$")]
-"""An adapter's digest (:func:`asyncrl.generation.lora.adapter_digest`): 32 hex digits, or ``base``."""
+"""An adapter's digest (:func:`asyncrl.generation.lora.adapter_digest`): 32 hex digits,
+or ``base``."""
 MAX_ADAPTER_DIGESTS = 64
 """Versions a Trajectories message may name digests for (a sample spans a few)."""
 

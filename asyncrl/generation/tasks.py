@@ -195,7 +195,8 @@ def _task_item(
 
 
 def prompt_tokenizer(config: Config) -> PreTrainedTokenizerBase:
-    """The policy's tokenizer as :func:`asyncrl.generation.models.build_policy` loads it (no model)."""
+    """The policy's tokenizer as :func:`asyncrl.generation.models.build_policy` loads it
+    (no model)."""
     if config.model.name_or_path is None:
         return build_tokenizer()
     from asyncrl.generation.models import load_tokenizer

@@ -137,7 +137,8 @@ class Supervisor(Supervision):
         self.store_dir: Path | None = None
         """The private directory of the learner ranks' file store (more than one rank)."""
         self.watchdog = Watchdog(run_dir, config.run.stall_timeout_s, notify)
-        """Which process made no progress for ``run.stall_timeout_s`` (:mod:`asyncrl.run.watchdog`)."""
+        """Which process made no progress for ``run.stall_timeout_s``
+        (:mod:`asyncrl.run.watchdog`)."""
         self.cores = cores or CorePlan(reason="no plan given")
         """Who computes on which cores (:mod:`asyncrl.core.cores`); empty: nobody is pinned."""
 

@@ -382,7 +382,8 @@ def check_rewards(
     config: Config, samples: list[Sample], environment_score: str | None = None
 ) -> list[str]:
     """Load ``reward.function`` (and ``environment_score``) and call it on each sample, in
-    one contained child (:mod:`asyncrl.generation.plugin_check`): the built-ins are trusted, not called."""
+    one contained child (:mod:`asyncrl.generation.plugin_check`): the built-ins are trusted,
+    not called."""
     functions = {"reward.function": config.reward.function}
     functions["environment.kwargs.compute_score"] = environment_score
     functions = {key: name for key, name in functions.items() if name}

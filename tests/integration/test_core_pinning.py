@@ -1,4 +1,5 @@
-"""A launched run keeps its learner and its generator on cores of their own (asyncrl/core/cores.py)."""
+"""A launched run keeps its learner and its generator on cores of their own
+(asyncrl/core/cores.py)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ def test_multi_turn_episodes_train_end_to_end(tmp_path):
         f"environment.name={env}:FlakyCountdownEnv", "environment.formatter=plain",
         "environment.max_turns=3", "environment.max_total_tokens=100",
         "environment.step_timeout_s=0.5", 'environment.kwargs.hang_prefix="0"',
-        "environment.kwargs.hang_s=1.5", "environment.kwargs.score_with=asyncrl.generation.tasks:digits_score",
+        "environment.kwargs.hang_s=1.5",
+        "environment.kwargs.score_with=asyncrl.generation.tasks:digits_score",
         "generators.max_new_tokens=6", 'generators.stop=["5"]',
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr

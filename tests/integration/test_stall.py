@@ -154,7 +154,9 @@ def test_ray_a_fault_of_the_driver_while_supervising_stops_the_run_and_says_so(
     console, stopped = RecordingConsole(), []
     config = load_config(QUICKSTART, ["cluster.backend=ray"])
     monkeypatch.setattr(ray_cluster, "_connect", lambda config: SimpleNamespace(shutdown=dict))
-    monkeypatch.setattr("asyncrl.run.console.open_console", lambda *a: contextlib.nullcontext(console))
+    monkeypatch.setattr(
+        "asyncrl.run.console.open_console", lambda *a: contextlib.nullcontext(console)
+    )
     monkeypatch.setattr(RayRun, "start", broken)
     monkeypatch.setattr(RayRun, "stop", lambda run: stopped.append(True))
     monkeypatch.setattr(RayRun, "health", lambda run: [])

@@ -9,11 +9,12 @@ See ``docs/environments.md``. The pieces, one job each:
 - :mod:`.formatting`: turn formatters and the text/token codec;
 - :mod:`.rollout`: the driver that builds the one token sequence;
 - :mod:`.threads`: the threads environments run on, which a stuck call may leave;
-- :mod:`.loading`, :mod:`.factory`: plug-ins by name, environments built from config;
-- :mod:`.config`: the config section, a schema only.
+- :mod:`.loading`, :mod:`.factory`: plug-ins by name, environments built from config.
+
+The config section is :mod:`asyncrl.config.environment`, with the rest of the schema.
 
 Names are imported from their modules on first use, so that importing one module
-(the config schema imports :mod:`.config`) does not load the others (the sandbox).
+(the built-in tool environment) does not load the others (the sandbox).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from asyncrl.config.environment import EnvironmentConfig
     from asyncrl.generation.envs.base import Environment, Message, ScoreRequest, StepResult
     from asyncrl.generation.envs.factory import (
         BUILTIN_ENVIRONMENTS,
@@ -60,7 +60,6 @@ _EXPORTS = {
     "Message": "base",
     "ScoreRequest": "base",
     "StepResult": "base",
-    "EnvironmentConfig": "config",
     "BUILTIN_ENVIRONMENTS": "factory",
     "check_isolation_for": "sandbox",
     "environment_factory": "factory",
@@ -111,7 +110,6 @@ __all__ = [
     "ChatMLFormatter",
     "Codec",
     "Environment",
-    "EnvironmentConfig",
     "EpisodeRunner",
     "HermesToolCallParser",
     "Message",

@@ -100,7 +100,8 @@ class RayRun(RayActors, Supervision):
 
     def replace_later(self, member: Member, why: str) -> str | None:
         """``member``'s generator stopped: free its actor; a new one follows after the
-        back-off, or the run fails (:meth:`~asyncrl.run.supervision.Supervision.generator_ended`)."""
+        back-off, or the run fails
+        (:meth:`~asyncrl.run.supervision.Supervision.generator_ended`)."""
         why = why.rstrip(".")
         failure = self.generator_ended(member.replica, "stopped", f" ({why})", fallback=why)
         with contextlib.suppress(Exception):

@@ -127,7 +127,7 @@ def aim_failed(run: Launch, since: float, case: Case) -> None:
         return
     failed = run.until("aim's failure", metric_reaches(run, "tracking_aim_failures_total", 1))
     case.seconds, case.held_up_s = failed - since, run.held_up_s(since, failed)
-    case.message = lines_with(log(run.run_dir, "learner"), "asyncrl.core.tracking")
+    case.message = lines_with(log(run.run_dir, "learner"), "asyncrl.tracking")
 
 
 def slow_chunk_over(run: Launch, trigger: Path, case: Case) -> None:

@@ -536,7 +536,7 @@ def test_without_a_gpu_driver_the_launcher_counts_no_device_and_imports_no_torch
 
     code = (
         "import sys\n"
-        "from asyncrl import machine\n"
+        "from asyncrl.core import machine\n"
         f"machine.GPU_DRIVER_PATHS = ({str(tmp_path / 'no-driver')!r},)\n"
         "print(machine._cuda_device_count(), 'torch' in sys.modules)\n"
     )

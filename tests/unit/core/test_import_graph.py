@@ -48,81 +48,28 @@ imported_modules, layer_of = _script.imported_modules, _script.layer_of
 layer_violations, role_violations = _script.layer_violations, _script.role_violations
 module_files, package_dirs = _script.module_files, _script.package_dirs
 
+
+def package(name: str) -> tuple[str, str]:
+    """A package and every module in it."""
+    return (name, f"{name}.")
+
+
 LAYERS = [
+    # the wire, sockets, keys, the config schema and the weight paths
     Layer(
         "core",
         (
             "asyncrl",
-            "asyncrl.config",
-            "asyncrl.config.",  # the schema as a package, once it is split
-            "asyncrl.config.environment",  # the `environment` section of the schema
-            "asyncrl.core.messages",
-            "asyncrl.core.wire",
-            "asyncrl.core.weight_messages",
-            "asyncrl.core.transport",
-            "asyncrl.core.message_limits",
-            "asyncrl.core.connection_guard",
-            "asyncrl.core.security",
-            "asyncrl.core.credentials",
-            "asyncrl.core.keys_folder",
-            "asyncrl.core.signing",
-            "asyncrl.core.paths",
-            "asyncrl.weights",
-            "asyncrl.weights.",
-            "asyncrl.core.progress",
-            "asyncrl.core.yaml_files",
-            "asyncrl.core.machine",
-            "asyncrl.core.cores",  # which cores each role's process computes on
-            "asyncrl.core.trajectory",
-            "asyncrl.core.tracking",
-            "asyncrl.core.stop_signals",  # every process that stops on a signal, roles included
-            "asyncrl.core.waiting",
-            "asyncrl.core.reductions",  # how a statistic combines, declared with it
+            *package("asyncrl.core"),
+            *package("asyncrl.config"),
+            *package("asyncrl.weights"),
         ),
     ),
-    Layer(
-        "generation",
-        (
-            "asyncrl.generation.tasks",
-            "asyncrl.generation.data",
-            "asyncrl.generation.data_files",
-            "asyncrl.generation.rewards",
-            "asyncrl.generation.rewards.",
-            "asyncrl.generation.envs",
-            "asyncrl.generation.envs.",
-            "asyncrl.generation.models",
-            "asyncrl.generation.lora",  # the policy's LoRA adapters (peft)
-            "asyncrl.generation.char_tokenizer",
-            "asyncrl.generation.process_tree",  # user code's processes: started, kept and killed together
-            "asyncrl.generation.contained",
-            "asyncrl.generation.plugin_check",
-            "asyncrl.generation.plugin_check_child",
-        ),
-    ),
+    # prompts, rewards, environments and the sandbox, models
+    Layer("generation", package("asyncrl.generation")),
     Layer("roles", ("asyncrl.learner", "asyncrl.generators", "asyncrl.buffer")),
-    Layer(
-        "run",
-        (
-            "asyncrl.__main__",
-            "asyncrl.run.cli",
-            "asyncrl.run.launch",
-            "asyncrl.run.ray.cluster",
-            "asyncrl.run.ray.actors",
-            "asyncrl.run.ray.placement",
-            "asyncrl.run.ray.plan",
-            "asyncrl.run.ray.run",
-            "asyncrl.run.console",
-            "asyncrl.run.status",
-            "asyncrl.run.watchdog",
-            "asyncrl.run.preflight",
-            "asyncrl.run.roles",
-            "asyncrl.run.supervision",
-            "asyncrl.run.local_run",
-            "asyncrl.run.closing",
-            "asyncrl.testbed",  # several test hosts on one machine, for tests and benchmarks
-            "asyncrl.testbed.",
-        ),
-    ),
+    # the command line, the launcher, Ray, supervision; the multi-host test bed
+    Layer("run", ("asyncrl.__main__", *package("asyncrl.run"), *package("asyncrl.testbed"))),
 ]
 """Each layer's modules: a name, or a prefix ending in ``.`` for a package's modules."""
 
@@ -143,7 +90,8 @@ def test_the_deployment_folders_map_onto_asyncrl_subpackages():
     assert mapping["asyncrl.learner"] == ROOT / "learner"
     files = module_files(mapping)
     assert files["asyncrl.generators.worker"] == ROOT / "generators" / "worker.py"
-    assert files["asyncrl.generation.envs"] == ROOT / "asyncrl" / "envs" / "__init__.py"
+    envs = ROOT / "asyncrl" / "generation" / "envs"
+    assert files["asyncrl.generation.envs"] == envs / "__init__.py"
     assert not any(name.startswith(("learner", "generators", "buffer")) for name in files)
 
 
@@ -214,8 +162,7 @@ def test_layer_violations_name_both_ends():
 def test_importing_the_config_schema_loads_no_sandbox_rewards_or_environments():
     code = (
         "import sys, asyncrl.config; "
-        "print(sorted(m for m in sys.modules if m.startswith(('asyncrl.generation.rewards', "
-        "'asyncrl.generation.envs.', 'asyncrl.generation.tasks')) and m != 'asyncrl.config.environment'))"
+        "print(sorted(m for m in sys.modules if m.startswith('asyncrl.generation')))"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT

@@ -165,7 +165,7 @@ def test_aim_failing_to_track_is_turned_off_with_one_warning_and_every_step_is_l
     assert [(line["tracking_aim_enabled"], line["tracking_aim_failures_total"])
             for line in read_lines(tmp_path)] == [(1, 0), (0, 1), (0, 1), (0, 1)]  # fmt: skip
     assert len(run.tracked) == 3  # nothing sent to aim once it failed
-    [warning] = [r for r in caplog.records if r.name == "asyncrl.core.tracking"]
+    [warning] = [r for r in caplog.records if r.name == "asyncrl.tracking"]
     assert warning.levelname == "WARNING"
     assert "No space left on device" in warning.getMessage()
     assert "aim is off for the rest of this run" in warning.getMessage()

@@ -1,4 +1,5 @@
-"""asyncrl.core.trajectory: the token columns' codec, and the one rule for a trajectory's version."""
+"""asyncrl.core.trajectory: the token columns' codec, and the one rule for a trajectory's
+version."""
 
 from __future__ import annotations
 

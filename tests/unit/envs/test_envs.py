@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.config.environment import EnvironmentConfig
 from asyncrl.generation.envs import (
     ChatMLFormatter,
     Codec,
-    EnvironmentConfig,
     EpisodeRunner,
     PlainTextFormatter,
     PluginError,
@@ -497,10 +497,15 @@ def test_a_named_reward_function_can_be_left_to_the_driver():
     result = env.step("the answer: 42")
     assert result.done and result.reward == 0.0
     assert result.score_request == ScoreRequest(
-        "asyncrl.generation.envs.tool_env:default_score", "the answer: 42", "test/arith", "42", {"index": 3}
+        "asyncrl.generation.envs.tool_env:default_score",
+        "the answer: 42",
+        "test/arith",
+        "42",
+        {"index": 3},
     )
     assert result.score_request.score_here() == 0.0  # default_score: the whole text != 42
-    named = ToolEnvironment([], compute_score="asyncrl.generation.rewards:gsm8k_score", defer_score=True)
+    gsm8k = "asyncrl.generation.rewards:gsm8k_score"
+    named = ToolEnvironment([], compute_score=gsm8k, defer_score=True)
     named.reset(ROW)
     assert named.step("#### 42").score_request.function == "asyncrl.generation.rewards:gsm8k_score"
     called = ToolEnvironment([], compute_score=lambda *args: 0.5, defer_score=True)

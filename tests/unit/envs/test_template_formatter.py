@@ -18,10 +18,10 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from asyncrl.config.environment import EnvironmentConfig
 from asyncrl.generation.envs import (
     ChatMLFormatter,
     Codec,
-    EnvironmentConfig,
     PlainTextFormatter,
     ToolEnvironment,
     run_episode,

@@ -23,7 +23,8 @@ from asyncrl.run.preflight import PreflightError, preflight
 
 ROOT = Path(__file__).resolve().parents[3]
 WITHOUT_NAMESPACE = (
-    "import asyncrl.generation.contained as c; c.enter_pid_namespace = lambda: False; c.keeper_main()"
+    "import asyncrl.generation.contained as c; c.enter_pid_namespace = lambda: False; "
+    "c.keeper_main()"
 )
 
 HANGS = "import time\ntime.sleep(3600)\n"
