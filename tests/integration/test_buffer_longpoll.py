@@ -16,8 +16,6 @@ import time
 
 import pytest
 import zmq
-from buffer_wire import Peers, buffer_config, exchange, send_samples
-from running_buffer import RunningBuffer, running_buffer
 
 from asyncrl.buffer.metrics import busy_fraction
 from asyncrl.core.messages import (
@@ -35,6 +33,8 @@ from asyncrl.core.messages import (
 )
 from asyncrl.core.security import GENERATOR, LEARNER
 from asyncrl.core.transport import RequestClient, client_socket
+from tests.helpers.buffer_wire import Peers, buffer_config, exchange, send_samples
+from tests.helpers.running_buffer import RunningBuffer, running_buffer
 
 pytestmark = pytest.mark.timeout(60)
 

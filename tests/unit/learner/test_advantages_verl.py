@@ -24,13 +24,9 @@ from asyncrl.learner.algorithms import (
     masked_whiten,
     reinforce_pp_baseline_advantages,
 )
+from tests.helpers.tensors import close
 
 torch.set_num_threads(1)
-
-
-def close(actual: torch.Tensor, expected, atol: float = 1e-5) -> None:
-    expected = torch.as_tensor(expected, dtype=torch.float32)
-    torch.testing.assert_close(actual.float(), expected, atol=atol, rtol=0)
 
 
 # ----------------------------------------------------------------------- GRPO

@@ -2,8 +2,7 @@
 padded batch. Used by the unit, integration (the FSDP worker script) and GPU tests and
 by the script that captured the golden numbers.
 
-Not a test module; each user puts ``tests/`` on ``sys.path`` (the unit tests' conftest
-does it for them).
+Not a test module: ``from tests.helpers.learner import ...``.
 """
 
 from __future__ import annotations
