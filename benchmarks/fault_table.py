@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/fault_table.py --render          # the markdown from the JSON
 
 The scenarios are those of ``tests/integration/test_faults.py`` (from
-``tests/integration/fault_harness.py``), run once more here so the table's figures
+``tests/helpers/faults/``), run once more here so the table's figures
 come from the shipped system: for each fault whether the run went on or stopped,
 the line that names it, what was lost, what resume did, which processes were left,
 and the seconds from the fault to the run going on again (or to its last process
@@ -28,9 +28,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests.helpers
 import common  # benchmarks/ is not a package: found on sys.path
-import fault_harness as harness  # tests/integration/ neither
+
+from tests.helpers import faults as harness
 
 JSON_OUT = common.REPO / "docs" / "faults.json"
 MARKDOWN_OUT = common.REPO / "docs" / "fault_table.md"

@@ -34,12 +34,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests.helpers
 import common  # benchmarks/ is not a package: found on sys.path
-import multihost  # tests/integration/ neither
-from fault_harness import final_ledger
 
 from asyncrl.testbed.ray_nodes import NodeSpec
+from tests.helpers import multihost
+from tests.helpers.faults import final_ledger
 
 JSON_OUT = common.REPO / "docs" / "benchmarks" / "multihost.json"
 DELAYS_MS = (0, 10, 50, 200)

@@ -13,8 +13,9 @@ Run by hand from the repository root::
 
     python scripts/import_graph.py          # cycles, then layer violations; exit 1 if any
 
-The layers themselves are declared in ``tests/unit/core/test_import_graph.py``, which
-imports this module.
+The layers are declared here (:data:`LAYERS`), as package prefixes: a module belongs
+to the layer of the folder it is in. ``tests/unit/core/test_import_graph.py`` checks
+them.
 """
 
 from __future__ import annotations
@@ -229,6 +230,34 @@ class Layer:
     modules: tuple[str, ...]
 
 
+def package(name: str) -> tuple[str, str]:
+    """A package and every module in it."""
+    return (name, f"{name}.")
+
+
+ROLES = ["asyncrl.learner", "asyncrl.generators", "asyncrl.buffer"]
+"""Packages that run as separate processes and talk only through messages."""
+
+LAYERS = [
+    # the wire, sockets, keys, the config schema and the weight paths
+    Layer(
+        "core",
+        (
+            "asyncrl",
+            *package("asyncrl.core"),
+            *package("asyncrl.config"),
+            *package("asyncrl.weights"),
+        ),
+    ),
+    # prompts, rewards, environments and the sandbox, models
+    Layer("generation", package("asyncrl.generation")),
+    Layer("roles", tuple(name for role in ROLES for name in package(role))),
+    # the command line, the launcher, Ray, supervision; the multi-host test bed
+    Layer("run", ("asyncrl.__main__", *package("asyncrl.run"), *package("asyncrl.testbed"))),
+]
+"""Each layer's modules: a name, or a prefix ending in ``.`` for a package's modules."""
+
+
 def layer_of(module: str, layers: Iterable[Layer]) -> int | None:
     """The position of the most specific layer holding ``module``: an exact name beats
     a prefix, a longer prefix a shorter one."""
@@ -273,9 +302,6 @@ def role_violations(graph: Mapping[str, set[str]], roles: Iterable[str]) -> list
 
 
 def main() -> int:
-    sys.path.insert(0, str(ROOT / "tests" / "unit" / "core"))
-    from test_import_graph import LAYERS, ROLES  # the declared layers live with the test
-
     graph = import_graph()
     problems = 0
     for chain in cycles(graph):

@@ -4,14 +4,12 @@ that the CPU suite cannot reach, and run whenever a GPU machine is at hand."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE.parent))  # tests/: learner_testing, shared with the CPU suites
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
-from gpu_cases import broadcast_worker
+
+from tests.helpers.gpu import broadcast_worker
 
 RANKS = 2
 

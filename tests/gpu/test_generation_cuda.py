@@ -9,12 +9,12 @@ from __future__ import annotations
 import copy
 
 import torch
-from gpu_cases import device_batch, tiny_config
 
 from asyncrl.config import GeneratorsConfig
 from asyncrl.generation.models import build_policy
 from asyncrl.generators.hf_backend import HFBackend, Rollout
 from asyncrl.learner.algorithms import token_logprobs
+from tests.helpers.gpu import device_batch, tiny_config
 
 NEW_TOKENS = 16
 

@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from gpu_cases import device_batch, tiny_config
-from learner_testing import single_rank
 
 from asyncrl.learner.policy import Learner
+from tests.helpers.gpu import device_batch, tiny_config
+from tests.helpers.learner import single_rank
 
 STEPS = 2
 COMPARED = ("loss_policy", "learner_grad_norm", "learner_entropy")

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_cases import device_batch, tiny_config
-from learner_testing import single_rank
 
 from asyncrl.generation.models import empty_like
 from asyncrl.generators.hf_backend import HFBackend
 from asyncrl.learner import sharding
 from asyncrl.learner.policy import Learner
+from tests.helpers.gpu import device_batch, tiny_config
+from tests.helpers.learner import single_rank
 
 TOLERANCE = {"none": 1e-4, "bf16": 2e-2}
 """Absolute, on logits of magnitude < 1: float32 rounding, or bf16 compute on the learner

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import zmq
-from buffer_wire import Peers
+
+from tests.helpers.buffer_wire import Peers
 
 
 @pytest.fixture

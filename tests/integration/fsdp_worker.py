@@ -1,7 +1,7 @@
 """One learner rank for the FSDP2 tests, started by torchrun (or directly for one rank).
 
-``python fsdp_worker.py OUT_DIR STEPS [key=value ...] [--save-at N] [--resume CKPT]
-[--export] [--no-publish]``
+``python -m tests.integration.fsdp_worker OUT_DIR STEPS [key=value ...] [--save-at N]
+[--resume CKPT] [--export] [--no-publish]`` (from the repository root)
 trains on deterministic synthetic batches (the same on every rank and in every
 run) and writes rank 0's full parameters to ``OUT_DIR/params.pt``.
 """
@@ -9,7 +9,6 @@ run) and writes rank 0's full parameters to ``OUT_DIR/params.pt``.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
@@ -22,9 +21,7 @@ from asyncrl.learner import checkpoint, distributed
 from asyncrl.learner.policy import Learner
 from asyncrl.learner.publisher import Drain, Publisher
 from asyncrl.weights import WeightClient, WeightPublisher
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
-from learner_testing import synthetic_batch
+from tests.helpers.learner import synthetic_batch
 
 
 def published_and_fetched(learner: Learner, is_main: bool) -> dict | None:

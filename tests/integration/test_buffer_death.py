@@ -12,11 +12,17 @@ import json
 from pathlib import Path
 
 import pytest
-from run_processes import processes_of
-from test_supervision import COMMON, Launch, assert_each_group_trained_once, start, trained_groups
 
 from asyncrl.core.paths import checkpoint_dir, latest_checkpoint
 from asyncrl.run.status import read_metrics
+from tests.helpers.launches import (
+    COMMON,
+    Launch,
+    assert_each_group_trained_once,
+    start,
+    trained_groups,
+)
+from tests.helpers.run_processes import processes_of
 
 pytestmark = pytest.mark.slow
 

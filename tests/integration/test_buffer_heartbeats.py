@@ -6,8 +6,6 @@ import functools
 import time
 
 import pytest
-from buffer_wire import buffer_config, exchange, send_samples
-from running_buffer import running_buffer
 
 from asyncrl.core.messages import (
     Ack,
@@ -23,6 +21,9 @@ from asyncrl.core.messages import (
     WorkRequest,
 )
 from asyncrl.core.security import GENERATOR
+from tests.helpers.buffer_wire import buffer_config, exchange, send_samples
+from tests.helpers.running_buffer import running_buffer
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,14 +44,6 @@ def buffer():
         yield running
 
 
-def wait_until(condition, while_waiting, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        while_waiting()
-        time.sleep(0.05)
-
-
 # --------------------------------------------------------------------------
 
 
@@ -69,7 +62,9 @@ def test_a_silent_generator_s_groups_go_to_another_and_its_late_samples_are_dupl
     # gen-a goes silent; gen-b stays alive with heartbeats until gen-a is presumed dead
     wait_until(
         lambda: buffer.store.counters["requeued_groups"] == 2,
-        lambda: exchange(b, Heartbeat("gen-b")),
+        10.0,
+        every_s=0.05,
+        while_waiting=lambda: exchange(b, Heartbeat("gen-b")),
     )
     assert time.monotonic() - started >= TIMEOUT_S
     assert buffer.store.counters["discarded_requeue"] == 2
@@ -136,8 +131,9 @@ def test_the_heartbeat_thread_keeps_a_replica_alive_while_its_loop_is_blocked(pe
         heartbeats.stop()
         wait_until(
             lambda: buffer.store.counters["requeued_groups"] == 2,
-            lambda: f"counters {dict(buffer.store.counters)}",
             timeout_s=5 * timeout_s,
+            every_s=0.05,
+            while_waiting=lambda: f"counters {dict(buffer.store.counters)}",
         )
         assert "gen-a" not in buffer.store.last_seen
 

@@ -17,8 +17,6 @@ from types import SimpleNamespace
 
 import pytest
 import zmq
-from buffer_wire import Peers, buffer_config, exchange, send_samples
-from running_buffer import RunningBuffer, running_buffer
 
 from asyncrl.buffer.metrics import busy_fraction
 from asyncrl.core.messages import (
@@ -37,6 +35,8 @@ from asyncrl.core.messages import (
 from asyncrl.core.security import GENERATOR, LEARNER
 from asyncrl.core.transport import RequestClient, client_socket
 from asyncrl.generation.tasks import build_tokenizer
+from tests.helpers.buffer_wire import Peers, buffer_config, exchange, send_samples
+from tests.helpers.running_buffer import RunningBuffer, running_buffer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -23,13 +23,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
-from buffer_wire import buffer_config, exchange, send_samples
 
 from asyncrl.config import ClusterConfig, Config, save_config
 from asyncrl.core.messages import Ack, BatchRequest, Heartbeat, Trajectories, WorkGrant, WorkRequest
 from asyncrl.core.security import GENERATOR, LEARNER, client_context
 from asyncrl.core.transport import client_socket, tcp
 from asyncrl.run.launch import Supervisor, make_run_dir
+from tests.helpers.buffer_wire import buffer_config, exchange, send_samples
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

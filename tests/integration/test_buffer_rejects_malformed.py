@@ -7,8 +7,6 @@ from collections import Counter
 import msgspec
 import pytest
 import zmq
-from buffer_wire import RESPONSE_LEN, buffer_config, exchange_frames, trajectories
-from running_buffer import running_buffer
 
 from asyncrl.core.messages import (
     SCHEMA_VERSION,
@@ -23,6 +21,8 @@ from asyncrl.core.messages import (
     encode,
     encode_raw,
 )
+from tests.helpers.buffer_wire import RESPONSE_LEN, buffer_config, exchange_frames, trajectories
+from tests.helpers.running_buffer import running_buffer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 import zmq
-from buffer_wire import Peers, buffer_config, exchange, send_samples
-from running_buffer import running_buffer
 
 from asyncrl.core.messages import (
     Ack,
@@ -28,6 +26,8 @@ from asyncrl.core.messages import (
     encode,
 )
 from asyncrl.core.paths import BUFFER_STATE, checkpoint_dir
+from tests.helpers.buffer_wire import Peers, buffer_config, exchange, send_samples
+from tests.helpers.running_buffer import running_buffer
 
 pytestmark = pytest.mark.timeout(60)
 

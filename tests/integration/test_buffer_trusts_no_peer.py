@@ -21,14 +21,6 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from buffer_wire import (
-    Peers,
-    buffer_config,
-    exchange,
-    exchange_frames,
-    trajectories,
-)
-from running_buffer import RunningBuffer, running_buffer
 
 from asyncrl.core.messages import (
     SCHEMA_VERSION,
@@ -52,6 +44,14 @@ from asyncrl.core.messages import (
 )
 from asyncrl.core.paths import checkpoint_dir
 from asyncrl.core.transport import client_socket
+from tests.helpers.buffer_wire import (
+    Peers,
+    buffer_config,
+    exchange,
+    exchange_frames,
+    trajectories,
+)
+from tests.helpers.running_buffer import RunningBuffer, running_buffer
 
 pytestmark = pytest.mark.timeout(120)
 

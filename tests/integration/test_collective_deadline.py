@@ -8,27 +8,23 @@ import logging
 import multiprocessing
 import os
 import signal
-import sys
 import time
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
-from collective_testing import (
+from asyncrl.core.transport import free_port, tcp
+from asyncrl.weights import WeightPublisher
+from asyncrl.weights.collective.sender import CollectiveSender
+from tests.helpers.collective import (
     LEARNER_KEY,
     REPLICA_KEY,
     command,
     replica_main,
     version_tensors,
-    wait_for,
 )
-
-from asyncrl.core.transport import free_port, tcp
-from asyncrl.weights import WeightPublisher
-from asyncrl.weights.collective.sender import CollectiveSender
+from tests.helpers.waiting import came_true
 
 pytestmark = pytest.mark.slow
 
@@ -96,7 +92,7 @@ def test_a_replica_stopped_mid_broadcast_is_cut_off_and_falls_back_to_zmq(caplog
 
         # the stopped member is cut off at the sender's deadline, counted and logged
         missed = "weights_collective_deadline_missed_total"
-        assert wait_for(lambda: sender.stats().get(missed) == 1, DEADLINE_S + 30)
+        assert came_true(lambda: sender.stats().get(missed) == 1, DEADLINE_S + 30)
         assert time.monotonic() - stopped_at >= DEADLINE_S - 1.5  # not before its deadline
         assert sender.stats()["weights_collective_members"] == 1  # only the steady one left
         logged = [r.getMessage() for r in caplog.records if "missed the deadline" in r.getMessage()]

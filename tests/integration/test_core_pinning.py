@@ -7,8 +7,9 @@ import json
 
 import psutil
 import pytest
-from run_processes import processes_of
-from test_launch_hardening import Launch
+
+from tests.helpers.run_processes import processes_of
+from tests.helpers.watched_launch import Launch
 
 pytestmark = pytest.mark.slow
 

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_processes import processes_of
-from test_supervision import Launch
 
 from asyncrl.config import load_config
 from asyncrl.learner import checkpoint, distributed
 from asyncrl.learner.policy import Learner
 from asyncrl.run.status import read_metrics
+from tests.helpers.launches import Launch
+from tests.helpers.run_processes import processes_of
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["model.tiny.num_layers=1", "model.tiny.hidden_size=16", "model.tiny.intermediate_size=32",

@@ -9,24 +9,18 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import yaml
-from test_launch_end_to_end import REPO, processes_of
 
 from asyncrl.run.status import read_metrics
+from tests.helpers.launches import REPO
+from tests.helpers.run_processes import processes_of
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
 STEPS = 150
-
-
-def wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def metrics_lines(run_dir) -> int:
@@ -46,7 +40,7 @@ def test_a_generator_joins_mid_run_and_leaves_without_loss(tmp_path):
     )  # fmt: skip
     joined = None
     try:
-        wait_for(lambda: metrics_lines(run_dir) >= 2, 120, "the first steps")
+        wait_until(lambda: metrics_lines(run_dir) >= 2, 120, what="the first steps", every_s=0.2)
         config = yaml.safe_load((run_dir / "config.yaml").read_text())
         buffer = f"tcp://127.0.0.1:{config['cluster']['buffer_port']}"
         log = (tmp_path / "joined.log").open("w")
@@ -63,7 +57,9 @@ def test_a_generator_joins_mid_run_and_leaves_without_loss(tmp_path):
             records = read_metrics(run_dir)
             return records[-1].get("pool_extra_samples_sent_total", 0.0) if records else 0.0
 
-        wait_for(lambda: extra_sent() > 0, 120, "the joined generator's samples")
+        wait_until(
+            lambda: extra_sent() > 0, 120, what="the joined generator's samples", every_s=0.2
+        )
         status = subprocess.run(
             [sys.executable, "-m", "asyncrl", "status", str(run_dir)],
             cwd=REPO, capture_output=True, text=True, timeout=60,

@@ -4,9 +4,10 @@ learner, with the environment's reward and its counters in the metrics."""
 from __future__ import annotations
 
 import pytest
-from test_launch_end_to_end import REPO, launch, processes_of
 
 from asyncrl.run.status import read_metrics
+from tests.helpers.launches import REPO, launch
+from tests.helpers.run_processes import processes_of
 
 pytestmark = pytest.mark.slow
 
@@ -15,7 +16,7 @@ def test_multi_turn_episodes_train_end_to_end(tmp_path):
     """Some first steps hang past environment.step_timeout_s (prompts starting with 0);
     every final answer is also scored by a named reward function, in the reward workers."""
     run_dir = tmp_path / "run"
-    env = REPO / "tests/unit/generators/test_episodes.py"
+    env = REPO / "tests/helpers/generators.py"
     result = launch(
         run_dir, "run.total_steps=3", "tracking.aim=false",
         f"environment.name={env}:FlakyCountdownEnv", "environment.formatter=plain",

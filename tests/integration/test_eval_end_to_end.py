@@ -10,13 +10,13 @@ import time
 
 import pytest
 import yaml
-from test_launch_end_to_end import launch, processes_of
-from test_supervision import start
 
 from asyncrl.config import config_from_dict, load_config
 from asyncrl.generation.tasks import eval_work_items, work_item_factory
 from asyncrl.run.launch import stop_timeout_s
 from asyncrl.run.status import read_metrics, read_records
+from tests.helpers.launches import launch, start
+from tests.helpers.run_processes import processes_of
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
-"""The fault table of docs/running.md, a test per run of faults (fault_harness.py).
+"""The fault table of docs/running.md, a test per run of faults (:mod:`tests.helpers.faults`).
 
-Each test runs one scenario of ``fault_harness`` against the real ``asyncrl launch``
+Each test runs one scenario of ``tests.helpers.faults`` against the real ``asyncrl launch``
 and asserts what the table says of its rows: whether the run went on or stopped
 with a message naming the fault and the resume command, the exit status, what
 was lost (steps after the checkpoint, prompts by id), that resume continues, and
@@ -16,7 +16,8 @@ disk), ``tests/unit/rewards/test_rewards.py`` (the scorer under a hanging or cra
 from __future__ import annotations
 
 import pytest
-from fault_harness import (
+
+from tests.helpers.faults import (
     EVERY,
     SLOW_CHUNK_S,
     Case,

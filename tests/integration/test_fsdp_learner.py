@@ -9,15 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-WORKER = Path(__file__).with_name("fsdp_worker.py")
+REPO = Path(__file__).resolve().parents[2]
+WORKER = "tests.integration.fsdp_worker"  # run as a module from REPO: it imports tests.helpers
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def train(out: Path, steps: int, *args: str, ranks: int = 1) -> dict:
     """Run the worker under torchrun; returns rank 0's ``{"params", "metrics"}``."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command = [*launcher, f"--nproc-per-node={ranks}", str(WORKER), str(out), str(steps), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=200)
+    command = [*launcher, f"--nproc-per-node={ranks}", "-m", WORKER, str(out), str(steps), *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=200, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return torch.load(out / "params.pt", weights_only=True)
 

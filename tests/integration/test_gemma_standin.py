@@ -41,12 +41,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_processes import processes_of
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.learner import packing
 from asyncrl.learner.algorithms import logprobs as head_chunks
 from asyncrl.run.status import read_metrics
+from tests.helpers.run_processes import processes_of
 
 pytestmark = pytest.mark.slow
 

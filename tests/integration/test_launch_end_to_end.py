@@ -5,24 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from run_processes import processes_of
 
 from asyncrl.run.status import read_metrics
+from tests.helpers.launches import REPO, launch
+from tests.helpers.run_processes import processes_of
 
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def launch(run_dir: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable, "-m", "asyncrl", "launch", str(REPO / "configs/quickstart.yaml"),
-        *overrides, "--run-dir", str(run_dir),
-    ]  # fmt: skip
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
 def mean(values: list[float]) -> float:

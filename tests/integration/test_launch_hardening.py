@@ -13,78 +13,23 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 import yaml
-from run_processes import processes_of
-from test_ray import actor_process, assert_nothing_left, ray_temp_dir
 
 from asyncrl.run.status import read_metrics
+from tests.helpers.ray_runs import actor_process, assert_nothing_left, ray_temp_dir
+from tests.helpers.run_processes import processes_of
+from tests.helpers.watched_launch import Launch
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
-COMMON = ("tracking.aim=false", "buffer.heartbeat_timeout_s=3")
 LOOPBACK = {"127.0.0.1", "::1"}
-
-
-class Launch:
-    """`asyncrl launch --quiet` on the quickstart in the background, its output in files."""
-
-    def __init__(self, tmp_path: Path, *overrides: str, env: dict[str, str] | None = None):
-        self.run_dir = tmp_path / "run"
-        self.out, self.err = tmp_path / "launch.out", tmp_path / "launch.err"
-        command = [
-            sys.executable, "-m", "asyncrl", "launch", "--quiet",
-            str(REPO / "configs/quickstart.yaml"), *COMMON, *overrides,
-            "--run-dir", str(self.run_dir),
-        ]  # fmt: skip
-        with self.out.open("w") as out, self.err.open("w") as err:
-            self.process = subprocess.Popen(
-                command,
-                stdout=out,
-                stderr=err,
-                cwd=REPO,
-                start_new_session=True,
-                env={**os.environ, **(env or {})},
-            )
-
-    def steps(self) -> int:
-        return len(read_metrics(self.run_dir))
-
-    def wait_until(self, done, what: str, timeout_s: float = 180) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not done():
-            assert self.process.poll() is None, self.stderr()
-            assert time.monotonic() < deadline, f"no {what} within {timeout_s}s"
-            time.sleep(0.1)
-
-    def stderr(self) -> str:
-        return self.err.read_text()
-
-    def tree(self) -> list[psutil.Process]:
-        """The launcher and every process under it."""
-        launcher = psutil.Process(self.process.pid)
-        return [launcher, *launcher.children(recursive=True)]
-
-    def stop(self) -> None:
-        """Whatever is left, after a failed assertion: SIGTERM to the launcher, then kill."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                for process in self.tree():
-                    process.kill()
-                self.process.wait()
 
 
 def generators(run_dir: Path) -> list[psutil.Process]:

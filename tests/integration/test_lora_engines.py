@@ -10,13 +10,13 @@ import copy
 
 import pytest
 import torch
-from test_backend_contract import BLOCK, ENGINES, MODEL, make_rollouts, run_to_completion
 
 from asyncrl.config import GeneratorsConfig, LoraConfig
 from asyncrl.core.messages import BASE_DIGEST
 from asyncrl.generation import lora
 from asyncrl.generation.models import build_policy
 from asyncrl.learner.algorithms.logprobs import token_logprobs
+from tests.helpers.engines import BLOCK, ENGINES, MODEL, make_rollouts, run_to_completion
 
 peft = pytest.importorskip("peft")
 

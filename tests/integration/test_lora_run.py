@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from fault_harness import keep_base_env
-from run_processes import processes_of
 from torch.distributed.checkpoint import FileSystemReader
 
 from asyncrl.config import load_config
 from asyncrl.generation import lora
 from asyncrl.generation.models import build_policy
 from asyncrl.run.status import read_metrics
+from tests.helpers.faults import keep_base_env
+from tests.helpers.run_processes import processes_of
 
 pytestmark = pytest.mark.slow
 peft = pytest.importorskip("peft")

@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
-from fault_harness import final_ledger
-from multihost import Launch, cluster, logged_at
 
 from asyncrl.testbed.hosts import unavailable_reason
 from asyncrl.testbed.ray_nodes import WORKER_PORTS
+from tests.helpers.faults import final_ledger
+from tests.helpers.multihost import Launch, cluster, logged_at
 
 WHY_NOT = unavailable_reason()
 pytestmark = [

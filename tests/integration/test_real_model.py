@@ -32,10 +32,10 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from run_processes import processes_of
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from asyncrl.run.status import read_metrics
+from tests.helpers.run_processes import processes_of
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 import yaml
 import zmq
-from run_processes import processes_of
 
 from asyncrl.config import load_config
 from asyncrl.core.credentials import CREDENTIALS_FD_ENV
@@ -43,6 +42,8 @@ from asyncrl.core.security import provision_run
 from asyncrl.core.transport import tcp
 from asyncrl.run.local_run import Supervisor
 from asyncrl.run.status import read_metrics
+from tests.helpers.run_processes import processes_of
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -148,13 +149,6 @@ def ask(socket: zmq.Socket, message, wait_ms: int = NO_REPLY_MS):
     return reply
 
 
-def wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 def test_a_generator_cannot_act_as_the_learner_in_a_live_run(tmp_path):
     run_dir = tmp_path / "run"
     launcher = subprocess.Popen(
@@ -166,7 +160,9 @@ def test_a_generator_cannot_act_as_the_learner_in_a_live_run(tmp_path):
     )  # fmt: skip
     made: list[zmq.Context] = []
     try:
-        wait_for(lambda: len(read_metrics(run_dir)) >= 2, 180, "the first steps")
+        wait_until(
+            lambda: len(read_metrics(run_dir)) >= 2, 180, what="the first steps", every_s=0.2
+        )
         config = yaml.safe_load((run_dir / "config.yaml").read_text())
         endpoint = tcp("127.0.0.1", config["cluster"]["buffer_port"])
         secrets = readable_secrets(Path(config["cluster"]["keys_dir"]))

@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
-from running_buffer import RunningBuffer
 from zmq.auth.thread import AuthenticationThread
 
 from asyncrl.config import ClusterConfig, load_config
@@ -40,6 +39,7 @@ from asyncrl.core.messages import (
 from asyncrl.core.security import CurveKeys, SecurityError, client_context, generate_keys
 from asyncrl.core.transport import client_socket, free_port, tcp
 from asyncrl.weights import WeightClient, WeightPublisher
+from tests.helpers.running_buffer import RunningBuffer
 
 pytestmark = pytest.mark.timeout(60)
 

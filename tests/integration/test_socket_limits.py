@@ -11,15 +11,11 @@ go on being served. Memory figures, with the buffer in its own process, are in
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
 import zmq
-from buffer_wire import Peers, buffer_config, exchange, fresh_keys_dir
-from running_buffer import RunningBuffer, running_buffer
-from zmtp_stranger import Stranger, closed_by_server, endless_message, plain_login
 
 from asyncrl.config import ClusterConfig
 from asyncrl.core.message_limits import MIN_UNAUTHENTICATED, buffer_guard_limits
@@ -28,6 +24,10 @@ from asyncrl.core.security import GENERATOR, client_context
 from asyncrl.core.transport import client_socket, free_port, tcp
 from asyncrl.weights import WeightClient, WeightPublisher
 from asyncrl.weights.zmq.limits import FRAME_MAX_BYTES, HELD_BYTES, guard_limits
+from tests.helpers.buffer_wire import Peers, buffer_config, exchange, fresh_keys_dir
+from tests.helpers.running_buffer import RunningBuffer, running_buffer
+from tests.helpers.waiting import wait_until
+from tests.helpers.zmtp_stranger import Stranger, closed_by_server, endless_message, plain_login
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,13 +41,6 @@ def buffer(peers) -> Iterator[RunningBuffer]:
     with running_buffer(buffer_config(group_size=4)) as running:
         buffer_stats(running, peers)
         yield running
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def buffer_stats(buffer: RunningBuffer, peers: Peers) -> dict[str, float]:

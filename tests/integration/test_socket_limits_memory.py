@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 import zmq
-from buffer_wire import buffer_config, exchange
-from zmtp_stranger import Stranger, closed_by_server, endless_message, plain_login
 
 from asyncrl.config import save_config
 from asyncrl.core.message_limits import buffer_guard_limits
@@ -26,6 +24,8 @@ from asyncrl.core.messages import Status, StatusRequest, encode
 from asyncrl.core.security import GENERATOR, OBSERVER, client_context
 from asyncrl.core.transport import client_socket, tcp
 from asyncrl.run.launch import Supervisor, make_run_dir
+from tests.helpers.buffer_wire import buffer_config, exchange
+from tests.helpers.zmtp_stranger import Stranger, closed_by_server, endless_message, plain_login
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -22,8 +22,6 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
-from run_processes import processes_of
-from test_ray import QUICKSTART, FakeRay, FakeTaskError, RecordingConsole
 
 from asyncrl.config import load_config
 from asyncrl.core.paths import latest_checkpoint
@@ -31,6 +29,8 @@ from asyncrl.core.stop_signals import StopSignals
 from asyncrl.run.ray.run import RayRun
 from asyncrl.run.status import read_metrics
 from asyncrl.run.watchdog import START_FAILURES, START_TIMEOUT_S, Watchdog
+from tests.helpers.ray_runs import QUICKSTART, FakeRay, FakeTaskError, RecordingConsole
+from tests.helpers.run_processes import processes_of
 
 REPO = Path(__file__).resolve().parents[2]
 

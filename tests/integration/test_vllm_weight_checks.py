@@ -12,7 +12,6 @@ from collections import Counter
 import pytest
 import torch
 import zmq
-from test_collective_vllm import BUCKET_BYTES, MODEL, engine_config, greedy
 
 from asyncrl.core.transport import free_port, tcp
 from asyncrl.generation.models import build_policy
@@ -23,6 +22,7 @@ from asyncrl.weights.collective.receiver import CollectiveSource
 from asyncrl.weights.collective.sender import CollectiveSender
 from asyncrl.weights.snapshot import SnapshotStore
 from asyncrl.weights.zmq.source import ZmqSource
+from tests.helpers.vllm_weights import BUCKET_BYTES, MODEL, engine_config, greedy
 
 pytestmark = [
     pytest.mark.slow,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -34,6 +34,7 @@ from asyncrl.core.security import client_context
 from asyncrl.core.transport import client_socket, free_port, tcp
 from asyncrl.weights import WeightClient, WeightPublisher
 from asyncrl.weights.zmq import server as zmq_server
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,13 +101,6 @@ def many_dimension_header(dims: int, size: int = 2**63 - 1) -> bytes:
             "arrays": [["x", "uint8", [size] * dims]],
         }
     )
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def wait_until_idle(publisher: WeightPublisher, quiet_s: float = 0.5) -> None:
@@ -229,10 +223,10 @@ def test_a_peer_that_stops_reading_is_dropped_and_what_it_pinned_is_released(con
         publisher.publish({"w": torch.zeros(4 << 20)}, version=1)
         for index in range(64):
             never.send_multipart(encode(WeightsChunkRequest(1, index % 16)))
-        wait_until(lambda: held_chunk_replies(publisher) > 0)  # stuck
+        wait_until(lambda: held_chunk_replies(publisher) > 0, 20.0)  # stuck
 
         # it stops answering the heartbeats: dropped, its replies released, its slot freed
-        wait_until(lambda: held_chunk_replies(publisher) == 0)
+        wait_until(lambda: held_chunk_replies(publisher) == 0, 20.0)
         wait_until_idle(publisher)
         assert held_chunk_replies(publisher) == 0
         assert publisher.stats()["weights_peers_served"] == 0
@@ -251,7 +245,7 @@ def test_a_peer_that_holds_chunks_pins_only_the_tensors_they_are_cut_from(contex
         first = [buffer.data_ptr() for buffer in publisher.snapshots.latest.buffers]
         for index in range(16):  # chunks of 'a' only
             never.send_multipart(encode(WeightsChunkRequest(1, index)))
-        wait_until(lambda: held_chunk_replies(publisher) > 0)
+        wait_until(lambda: held_chunk_replies(publisher) > 0, 20.0)
         wait_until_idle(publisher)
 
         publisher.publish(sent, version=2)
@@ -300,7 +294,7 @@ def test_only_generators_get_weights_when_authentication_is_on(cluster, caplog):
             assert sock.poll(REFUSED_WAIT_MS) == 0  # never heard: the handshake failed
             sock.close(linger=0)
 
-        wait_until(lambda: publisher.stats().get("weights_refused_auth_total", 0) >= 1)
+        wait_until(lambda: publisher.stats().get("weights_refused_auth_total", 0) >= 1, 20.0)
         stats = publisher.stats()
         assert stats["weights_rejected_forbidden_total"] == 4
         assert stats["weights_manifests_sent_total"] == 1  # the generator's alone

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from run_processes import processes_of
 
 from asyncrl.run.status import read_metrics
 from asyncrl.weights.shm.segment import NAME, POINTER_FILE, SHM_DIR
+from tests.helpers.run_processes import processes_of
 
 pytestmark = pytest.mark.slow
 

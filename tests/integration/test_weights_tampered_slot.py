@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-from run_processes import processes_of
 
 from asyncrl.run.status import read_metrics
 from asyncrl.weights.shm.segment import (
@@ -28,6 +27,7 @@ from asyncrl.weights.shm.segment import (
     SLOTS,
     read_pointer,
 )
+from tests.helpers.run_processes import processes_of
 
 pytestmark = pytest.mark.slow
 

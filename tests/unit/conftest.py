@@ -1,24 +1,16 @@
 """Fixtures shared by the unit tests.
 
-The tests mirror the packages (``core/``, ``learner/``, ``buffer/``, ...); a few reuse
-another folder's helpers (``from test_episodes import ScriptedBackend``), so every
-folder is importable from every other. Test module names are unique across folders.
+The tests mirror the packages (``core/``, ``learner/``, ``buffer/``, ...). ``tests/`` is a
+package tree: pytest puts the repository root on the import path and imports each test
+module by its dotted name (``tests.unit.learner.test_kl``), so names may repeat across
+folders, and what several tests share lives in :mod:`tests.helpers`.
 """
 
 from __future__ import annotations
 
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path[:0] = [str(Path(__file__).parents[1])]  # tests/: helpers shared with the other suites
-sys.path[:0] = sorted(
-    str(d)
-    for d in Path(__file__).parent.iterdir()
-    if (d / "conftest.py").exists() or any(d.glob("test_*.py"))
-)
 
 
 @pytest.fixture

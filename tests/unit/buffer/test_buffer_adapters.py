@@ -6,7 +6,6 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 import pytest
-from test_buffer_eval_service import LEARNER, Recorded, samples_of
 
 from asyncrl.core.messages import (
     BASE_DIGEST,
@@ -18,6 +17,7 @@ from asyncrl.core.messages import (
     WorkRequest,
 )
 from asyncrl.core.wire import WireError
+from tests.helpers.buffer_service import LEARNER, Recorded, samples_of
 
 V1 = "0123456789abcdef" * 2
 LORA = ("model.lora.rank=4",)

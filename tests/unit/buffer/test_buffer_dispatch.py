@@ -8,13 +8,13 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from buffer_samples import TIMEOUT, group_samples, make_sample, make_store
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncrl.buffer.durable import unfinished_groups
 from asyncrl.buffer.store import BufferStore, Sample
 from asyncrl.core.messages import Heartbeat, WorkItem, decode, encode
+from tests.helpers.buffer_samples import TIMEOUT, group_samples, make_sample, make_store
 
 
 def ids(items: list[WorkItem]) -> list[int]:

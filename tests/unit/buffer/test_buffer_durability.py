@@ -6,11 +6,11 @@ import json
 import random
 
 import pytest
-from buffer_samples import group_samples, make_store
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncrl.buffer.store import BufferStore
+from tests.helpers.buffer_samples import group_samples, make_store
 
 
 def serve_some(store: BufferStore, rng: random.Random, steps: int, served: list[int]) -> None:

@@ -5,11 +5,7 @@ reduced per batch (``episode_*``, asyncrl.buffer.metrics) and per eval round
 from __future__ import annotations
 
 import msgspec
-import numpy as np
 import pytest
-from test_buffer_eval import eval_sample, eval_store, whole
-from test_buffer_eval_service import LEARNER, Recorded, samples_of
-from test_buffer_validation import check, held_store, message
 
 from asyncrl.buffer.metrics import episode_metrics, generators_summary
 from asyncrl.buffer.validation import check_stats
@@ -19,11 +15,11 @@ from asyncrl.core.messages import (
     Trajectories,
     TrajectoryMeta,
     WireError,
-    WorkItem,
     WorkRequest,
-    decode,
-    encode,
 )
+from tests.helpers.buffer_samples import episodes_of, eval_sample, eval_store, whole
+from tests.helpers.buffer_service import LEARNER, Recorded, samples_of
+from tests.helpers.buffer_validation import check, held_store, message
 
 
 def episode_meta(turns: int, calls: int, errors: int, finish_reason: str = "stop"):
@@ -90,24 +86,6 @@ def test_samples_without_counts_are_left_out_and_a_single_turn_batch_has_no_figu
     assert figures["episode_turns_mean"] == 2.0
     assert figures["episode_truncated_frac"] == 0.0  # the single turn's "length" is not counted
     assert figures["episode_tool_error_frac"] == 0.0  # no call: 0, not NaN
-
-
-def episodes_of(item: WorkItem, generator_id: str, counts: EpisodeCounts):
-    """The whole group of ``item`` as a replica sends its episodes (through the codec)."""
-    n = item.num_samples
-    metas = [
-        TrajectoryMeta(item.group_id, i, len(item.prompt_ids), 1, 1.0, "stop", generator_id,
-                       episode=counts)
-        for i in range(n)
-    ]  # fmt: skip
-    arrays = {
-        "prompt_ids": np.tile(np.asarray(item.prompt_ids, np.int32), n),
-        "response_ids": np.ones(n, np.int32),
-        "logprobs": np.zeros(n, np.float32),
-        "token_versions": np.zeros(n, np.int32),
-        "loss_mask": np.ones(n, np.uint8),
-    }
-    return decode([bytes(frame) for frame in encode(Trajectories(metas), arrays)])
 
 
 @pytest.mark.parametrize("episodes", [True, False], ids=["episodes", "single_turn"])

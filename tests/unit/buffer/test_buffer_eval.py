@@ -8,45 +8,19 @@ from __future__ import annotations
 
 import math
 
-import msgspec
 import pytest
-from buffer_samples import TIMEOUT, group_samples, make_sample, make_store
 
 from asyncrl.buffer.evaluation import metric_name
-from asyncrl.buffer.store import BufferStore, Sample
+from asyncrl.buffer.store import BufferStore
 from asyncrl.core.messages import WorkItem
-
-
-def eval_items(count: int = 2, samples: int = 2, sources: tuple[str, ...] = ("s",)) -> list:
-    return [
-        WorkItem(-1 - j, samples, [7, 8, 9], "y", sources[j % len(sources)]) for j in range(count)
-    ]
-
-
-def eval_store(count: int = 2, samples: int = 2, **options) -> BufferStore:
-    options.setdefault("group_size", 2)
-    options.setdefault("samples_per_step", 4)
-    sources = options.pop("sources", ("s",))
-    return make_store(eval_items=eval_items(count, samples, sources), **options)
-
-
-def eval_sample(
-    item: WorkItem,
-    index: int,
-    generator_id: str = "gen-0",
-    reward: float = 1.0,
-    versions: list[int] | None = None,
-    finish_reason: str = "stop",
-) -> Sample:
-    sample = make_sample(
-        item.group_id, index, versions, generator_id, reward=reward, finish_reason=finish_reason
-    )
-    sample.meta = msgspec.structs.replace(sample.meta, eval_round=item.eval_round)
-    return sample
-
-
-def whole(item: WorkItem, generator_id: str = "gen-0", **fields) -> list[Sample]:
-    return [eval_sample(item, i, generator_id, **fields) for i in range(item.num_samples)]
+from tests.helpers.buffer_samples import (
+    TIMEOUT,
+    eval_sample,
+    eval_store,
+    group_samples,
+    make_store,
+    whole,
+)
 
 
 def ids(items: list[WorkItem]) -> list[int]:

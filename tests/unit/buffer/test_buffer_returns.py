@@ -8,10 +8,10 @@ import logging
 import time
 
 import pytest
-from test_buffer_eval_service import Recorded, samples_of
 
 from asyncrl.buffer.returns import Returns
 from asyncrl.core.messages import Ack, Heartbeat, Join, WorkRequest
+from tests.helpers.buffer_service import Recorded, samples_of
 
 
 @pytest.fixture

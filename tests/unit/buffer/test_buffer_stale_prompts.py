@@ -13,7 +13,6 @@ import random
 import re
 
 import pytest
-from buffer_samples import group_samples, make_store
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,6 +23,7 @@ from asyncrl.buffer.skips import SKIPPED_PROMPTS
 from asyncrl.buffer.store import BufferStore
 from asyncrl.config import load_config
 from asyncrl.core.paths import BUFFER_STATE
+from tests.helpers.buffer_samples import group_samples, make_store
 
 
 def ids(items) -> list[int]:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from buffer_samples import make_sample, make_store
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncrl.buffer.store import BufferStore, Sample
+from tests.helpers.buffer_samples import make_sample, make_store
 
 
 def complete_group(store: BufferStore, group_id: int, versions: list[int]) -> int:

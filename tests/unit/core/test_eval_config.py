@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_data import chat_tokenizer, row, write_jsonl
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.generation.tasks import eval_work_items, work_item_factory
+from tests.helpers.data import chat_tokenizer, row, write_jsonl
 
 TINY = "model.tiny={}"
 

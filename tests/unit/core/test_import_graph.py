@@ -12,8 +12,9 @@ pyproject package-dir mapping, imports inside functions included, only
 - run: what starts and watches the roles: the command line, the launcher, Ray,
   the console and status.
 
-A module may import its own layer and those below it. A new module belongs in
-one of them: add it to :data:`LAYERS`.
+A module may import its own layer and those below it. The layers are package
+prefixes declared in ``scripts/import_graph.py`` (``LAYERS``): a new module joins the
+layer of the folder it is created in.
 """
 
 from __future__ import annotations
@@ -25,51 +26,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.scripts import script
+
 ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from import_graph import (  # noqa: E402  (scripts/ is not a package)
-    Layer,
-    cycles,
-    import_graph,
-    imported_modules,
-    layer_of,
-    layer_violations,
-    module_files,
-    package_dirs,
-    role_violations,
-)
 
 
-def package(name: str) -> tuple[str, str]:
-    """A package and every module in it."""
-    return (name, f"{name}.")
-
-
-LAYERS = [
-    # the wire, sockets, keys, the config schema and the weight paths
-    Layer(
-        "core",
-        (
-            "asyncrl",
-            *package("asyncrl.core"),
-            *package("asyncrl.config"),
-            *package("asyncrl.weights"),
-        ),
-    ),
-    # prompts, rewards, environments and the sandbox, models
-    Layer("generation", package("asyncrl.generation")),
-    Layer("roles", ("asyncrl.learner", "asyncrl.generators", "asyncrl.buffer")),
-    # the command line, the launcher, Ray, supervision; the multi-host test bed
-    Layer("run", ("asyncrl.__main__", *package("asyncrl.run"), *package("asyncrl.testbed"))),
-]
-"""Each layer's modules: a name, or a prefix ending in ``.`` for a package's modules."""
-
-ROLES = ["asyncrl.learner", "asyncrl.generators", "asyncrl.buffer"]
-"""Packages that run as separate processes and talk only through messages."""
-
-# the roles' modules: the packages' own prefixes, beside their __init__ names above
-LAYERS[2] = Layer("roles", (*LAYERS[2].modules, *(f"{role}." for role in ROLES)))
+_script = script("import_graph")
+Layer, cycles, import_graph = _script.Layer, _script.cycles, _script.import_graph
+imported_modules, layer_of = _script.imported_modules, _script.layer_of
+layer_violations, role_violations = _script.layer_violations, _script.role_violations
+module_files, package_dirs = _script.module_files, _script.package_dirs
+LAYERS, ROLES = _script.LAYERS, _script.ROLES
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +98,7 @@ def test_every_module_has_a_layer(graph):
     unplaced = sorted(module for module in graph if layer_of(module, LAYERS) is None)
     assert not unplaced, (
         f"modules in no layer: {', '.join(unplaced)}. "
-        "Add each to LAYERS in tests/unit/core/test_import_graph.py"
+        "Add each to LAYERS in scripts/import_graph.py"
     )
 
 

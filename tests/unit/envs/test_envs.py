@@ -36,6 +36,7 @@ from asyncrl.generation.envs import (
 from asyncrl.generation.envs.calculator import CalculatorError, calculate
 from asyncrl.generation.envs.tool_env import default_score
 from asyncrl.generation.envs.tools import validate
+from tests.helpers.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "custom_env.py"
@@ -538,18 +539,18 @@ def test_step_pool_replaces_abandoned_threads_up_to_a_limit():
     first, second = threading.Event(), threading.Event()
     try:
         stuck = pool.submit(first.wait, 30)
-        wait_until(lambda: stuck.started_at is not None)
+        wait_until(lambda: stuck.started_at is not None, every_s=0.005)
         assert pool.abandon(stuck) and (pool.stuck, pool.abandoned) == (1, 1)
         # the only worker is stuck, but a new thread runs the next call
         assert pool.submit(pow, 2, 5).future.result(timeout=30) == 32
         again = pool.submit(second.wait, 30)
-        wait_until(lambda: again.started_at is not None)
+        wait_until(lambda: again.started_at is not None, every_s=0.005)
         assert pool.abandon(again) and pool.stuck == 2 and pool.stalled
         queued = pool.submit(pow, 2, 6)  # no thread may start: it waits until abandoned
         time.sleep(0.05)
         assert queued.started_at is None and pool.abandon(queued) and queued.future.cancelled()
         first.set()  # a stuck call returns: its thread ends, and one may start again
-        wait_until(lambda: not pool.stalled)
+        wait_until(lambda: not pool.stalled, every_s=0.005)
         assert pool.submit(pow, 2, 7).future.result(timeout=30) == 128
         done = pool.submit(pow, 2, 1)
         done.future.result(timeout=30)
@@ -562,14 +563,10 @@ def test_step_pool_replaces_abandoned_threads_up_to_a_limit():
         pool.close()
     with pytest.raises(RuntimeError, match="closed"):
         pool.submit(pow, 2, 2)
-    wait_until(lambda: not any(t.name.startswith("test-steps") for t in threading.enumerate()))
-
-
-def wait_until(condition, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.005)
+    wait_until(
+        lambda: not any(t.name.startswith("test-steps") for t in threading.enumerate()),
+        every_s=0.005,
+    )
 
 
 def test_step_timeout_is_validated():

@@ -364,7 +364,7 @@ def test_the_sandbox_interpreter_is_one_the_sandbox_user_can_reach(tmp_path):
 
 
 def test_check_isolation_where_namespaces_are_denied():
-    from test_sandbox_escapes import DENY_NAMESPACES
+    from tests.helpers.sandbox import DENY_NAMESPACES
 
     check = (
         "from asyncrl.generation.envs.sandbox import SandboxUnavailable, check_isolation\n"

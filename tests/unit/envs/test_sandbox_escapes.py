@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.generation.envs.sandbox import Sandbox
+from tests.helpers.sandbox import DENY_NAMESPACES
 
 pytestmark = [
     pytest.mark.skipif(
@@ -516,21 +517,6 @@ def test_localhost_tcp_and_a_host_unix_socket_are_unreachable(unix_listener, tcp
     assert result.ok, result
     assert "CONNECTED" not in result.stdout, result
     assert nothing_connected(unix_listener[0]) and nothing_connected(tcp_listener[0])
-
-
-DENY_NAMESPACES = """
-import errno, pyseccomp as seccomp
-deny = seccomp.ERRNO(errno.EPERM)
-rules = seccomp.SyscallFilter(seccomp.ALLOW)
-rules.add_rule(deny, "unshare")
-rules.add_rule(deny, "setns")
-for flag in (0x80, 0x20000, 0x2000000, 0x4000000, 0x8000000, 0x10000000, 0x20000000, 0x40000000):
-    rules.add_rule(deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
-rules.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
-rules.load()
-"""
-"""Makes this process a host where namespaces cannot be created (Docker's default
-seccomp profile, a kernel without unprivileged user namespaces)."""
 
 
 def test_where_namespaces_are_denied_the_code_does_not_run(run_dir, unix_listener, tcp_listener):

@@ -8,8 +8,6 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
-from test_episodes import CountdownEnv, ScriptedBackend, drive, item, make_episodes, said
-from test_eval_replica import run_replica
 
 from asyncrl.config.environment import EnvironmentConfig
 from asyncrl.core.messages import MAX_EPISODE_COUNT, EpisodeCounts
@@ -17,6 +15,15 @@ from asyncrl.generation.envs.threads import StepPool
 from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.generators.episode_failures import ERROR_ENVIRONMENT
 from asyncrl.generators.episodes import Episodes, episode_counts
+from tests.helpers.generators import (
+    CountdownEnv,
+    ScriptedBackend,
+    drive,
+    item,
+    make_episodes,
+    run_replica,
+    said,
+)
 
 STEP_S = 0.05
 
@@ -77,7 +84,7 @@ def test_an_environment_s_odd_counts_are_clamped_to_what_the_buffer_accepts():
 @pytest.mark.parametrize("multi_turn", [True, False], ids=["multi-turn", "one turn"])
 def test_the_replica_sends_each_sample_s_counts_and_none_for_a_single_turn(multi_turn):
     environment = [
-        "environment.name=test_episodes:CountdownEnv",
+        "environment.name=tests.helpers.generators:CountdownEnv",
         "environment.formatter=plain",
         "environment.kwargs={turns: 2}",
     ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import pytest
 import torch
@@ -18,7 +17,6 @@ from asyncrl.generation.envs.formatting import PlainTextFormatter
 from asyncrl.generation.models import build_policy
 from asyncrl.generation.rewards import ERROR_EXCEPTION, ERROR_TIMEOUT, RewardScorer, Score
 from asyncrl.generation.tasks import build_tokenizer
-from asyncrl.generators.backend import Rollout, StopStrings, append_tokens
 from asyncrl.generators.episode_failures import (
     ERROR_ENVIRONMENT,
     ERROR_ENVIRONMENT_TIMEOUT,
@@ -26,131 +24,20 @@ from asyncrl.generators.episode_failures import (
 )
 from asyncrl.generators.episodes import Episodes
 from asyncrl.generators.hf_backend import HFBackend
-
-
-class CountdownEnv(Environment):
-    """Answers ``turns - 1`` model turns with a digit reply, then ends; reward = turns taken."""
-
-    def __init__(self, turns: int = 3, fail_on: int = 0):
-        self.turns, self.fail_on = turns, fail_on
-
-    def reset(self, row):
-        self.taken = 0
-        self.seen: list[str] = []
-        return list(row["prompt"])
-
-    def step(self, response):
-        self.taken += 1
-        self.seen.append(response)
-        if self.taken == self.fail_on:
-            raise RuntimeError("the environment broke")
-        if self.taken >= self.turns:
-            return StepResult(done=True, reward=float(self.taken))
-        return StepResult([{"role": "tool", "content": "99"}], tool_calls=1)
-
-
-class FlakyCountdownEnv(CountdownEnv):
-    """For a launched run (tests/integration/test_environment_run.py): a first step hangs
-    for ``hang_s`` when the prompt starts with ``hang_prefix``, and a final answer is
-    also scored by the reward function named ``score_with``."""
-
-    def __init__(self, turns: int = 3, hang_prefix: str = "", hang_s: float = 0.0, score_with=""):
-        super().__init__(turns)
-        self.hang_prefix, self.hang_s, self.score_with = hang_prefix, hang_s, score_with
-
-    def reset(self, row):
-        self.row = row
-        content = row["prompt"][0]["content"]
-        self.hang = bool(self.hang_prefix) and content.startswith(self.hang_prefix)
-        return super().reset(row)
-
-    def step(self, response):
-        if self.hang:
-            self.hang = False
-            time.sleep(self.hang_s)
-        result = super().step(response)
-        if result.done and self.score_with:
-            truth = self.row["reward_model"]["ground_truth"]
-            request = ScoreRequest(self.score_with, response, self.row["data_source"], truth)
-            result.score_request = request
-        return result
-
-
-class ScriptedBackend:
-    """A scripted model: each turn is ``turn_length`` tokens of "1" then EOS."""
-
-    def __init__(self, tokenizer, turn_length: int = 5, max_new_tokens: int = 64):
-        self.tokenizer = tokenizer
-        self.version = 0
-        self.last_load_s = 0.0
-        self.turn_length = turn_length
-        self.max_new_tokens = max_new_tokens
-        self.one = tokenizer.convert_tokens_to_ids("1")
-
-    def generate_chunk(self, rollouts, max_tokens):
-        for rollout in rollouts:
-            if rollout.finished:
-                continue
-            run = 0  # tokens of the current model turn so far
-            for mask in reversed(rollout.loss_mask):
-                if not mask:
-                    break
-                run += 1
-            tokens = [self.one] * max(0, self.turn_length - run) + [self.tokenizer.eos_token_id]
-            tokens = tokens[:max_tokens]
-            append_tokens(
-                rollout,
-                tokens,
-                [-0.5] * len(tokens),
-                self.version,
-                eos_token_id=self.tokenizer.eos_token_id,
-                max_new_tokens=self.max_new_tokens,
-                stop=StopStrings(self.tokenizer, []),
-            )
-
-
-def item(group_id=7, samples=2):
-    messages = [{"role": "user", "content": "123="}]
-    return WorkItem(group_id, samples, [1, 4, 5, 6, 13], "234", "synthetic/digits", {}, messages)
-
-
-def drive(episodes: Episodes, backend, rollouts: list[Rollout], chunk: int, on_chunk=None):
-    """The replica's loop, reduced to generation and episodes: returns finished pairs."""
-    active, finished = list(rollouts), []
-    for _ in range(500):
-        if on_chunk is not None:
-            on_chunk()
-        backend.generate_chunk(active, chunk)
-        for rollout in [r for r in active if r.finished]:
-            episodes.end_turn(rollout)
-        active = [r for r in active if not r.finished]
-        deadline = time.monotonic() + 5
-        while episodes.waiting and not active and time.monotonic() < deadline:
-            continuing, done = episodes.collect()
-            active += continuing
-            finished += done
-            time.sleep(0.001)
-        continuing, done = episodes.collect()
-        active += continuing
-        finished += done
-        if not active and not episodes.waiting:
-            return finished
-    raise AssertionError("episodes never finished")
+from tests.helpers.generators import (
+    CountdownEnv,
+    ScriptedBackend,
+    drive,
+    item,
+    make_episodes,
+    said,
+)
+from tests.helpers.waiting import wait_until as wait_for
 
 
 @pytest.fixture
 def tokenizer():
     return build_tokenizer()
-
-
-def make_episodes(tokenizer, turns=3, fail_on=0, **overrides):
-    config = EnvironmentConfig(
-        name=f"{__name__}:CountdownEnv",
-        formatter="plain",
-        kwargs={"turns": turns, "fail_on": fail_on},
-        **overrides,
-    )
-    return Episodes(config, tokenizer, max_tokens_per_turn=16)
 
 
 def test_turns_and_replies_make_one_sequence_with_versions_switching_at_chunks(tokenizer):
@@ -265,17 +152,6 @@ class StallingEnv(CountdownEnv):
         if self.hang:
             RELEASE.wait(30)
         return super().step(response)
-
-
-def said(text, group_id, samples=2):
-    return WorkItem(group_id, samples, [1, 2, 3], "x", "d", {}, [{"role": "user", "content": text}])
-
-
-def wait_for(condition, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.01)
 
 
 @pytest.fixture

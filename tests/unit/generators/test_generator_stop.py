@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import zmq
-from test_episodes import ScriptedBackend
-from test_eval_replica import NoNewWeights
 
 from asyncrl.config import load_config
 from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.generators.buffer_link import LEAVE_TIMEOUT_S, STOP_POLL_S
 from asyncrl.generators.worker import GeneratorReplica
+from tests.helpers.generators import NoNewWeights, ScriptedBackend
 
 
 class DeadBuffer:

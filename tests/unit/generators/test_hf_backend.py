@@ -8,20 +8,12 @@ import torch
 from asyncrl.config import GeneratorsConfig, ModelConfig, TinyModelConfig
 from asyncrl.generation.models import build_policy
 from asyncrl.generators.hf_backend import HFBackend, Rollout
-from asyncrl.learner.algorithms import token_logprobs
+from tests.helpers.generators import CHUNK, MAX_NEW, make_backend, recompute
 
 torch.set_num_threads(1)
 
-CHUNK = 3
-MAX_NEW = 8
 # different prompt lengths, so generation left-pads some rows
 PROMPTS = [[1, 3, 4, 5, 13], [1, 6, 13], [1, 7, 8, 9, 10, 11, 13]]
-
-
-def make_backend(temperature: float = 1.0) -> HFBackend:
-    model, tokenizer = build_policy(ModelConfig(tiny=TinyModelConfig()), seed=0)
-    sampling = GeneratorsConfig(max_new_tokens=MAX_NEW, chunk_tokens=CHUNK, temperature=temperature)
-    return HFBackend(model, tokenizer, sampling)
 
 
 def make_rollouts() -> list[Rollout]:
@@ -41,15 +33,6 @@ def bias_eos(backend: HFBackend, amount: float):
         return output
 
     return backend.model.lm_head.register_forward_hook(hook)
-
-
-@torch.no_grad()
-def recompute(model: torch.nn.Module, rollout: Rollout, temperature: float) -> torch.Tensor:
-    """The learner's view: one forward over prompt + response, log-probs of the response."""
-    ids = torch.tensor([rollout.prompt_ids + rollout.response_ids])
-    logits = model(input_ids=ids).logits
-    logprobs = token_logprobs(logits[:, :-1], ids[:, 1:], temperature)[0]
-    return logprobs[len(rollout.prompt_ids) - 1 :]
 
 
 def generate_to_completion(backend: HFBackend, rollouts: list[Rollout]) -> list[list[int]]:

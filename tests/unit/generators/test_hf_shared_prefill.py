@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_hf_backend import make_backend, recompute
 
 from asyncrl.generators import hf_backend
 from asyncrl.generators.hf_backend import Rollout
+from tests.helpers.generators import make_backend, recompute
 
 torch.set_num_threads(1)
 

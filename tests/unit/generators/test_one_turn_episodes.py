@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from test_episodes import ScriptedBackend
-
 from asyncrl.core.messages import WorkItem
 from asyncrl.generation.rewards import Score
 from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.generators.episodes import Episodes
+from tests.helpers.generators import ScriptedBackend
 
 
 class RecordingScorer:

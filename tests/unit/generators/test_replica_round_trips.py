@@ -11,13 +11,12 @@ together, after one round trip.
 from __future__ import annotations
 
 import zmq
-from test_episodes import ScriptedBackend
-from test_replica_splits_messages import finished_rollout
 
 from asyncrl.config import load_config
 from asyncrl.core.messages import Ack, Leave, Trajectories, WorkGrant, WorkRequest
 from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.generators.worker import GeneratorReplica
+from tests.helpers.generators import ScriptedBackend, finished_rollout
 
 
 class OrderedBuffer:

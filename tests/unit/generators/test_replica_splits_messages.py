@@ -9,7 +9,6 @@ frame stays within what the cap was derived from.
 from __future__ import annotations
 
 import zmq
-from test_eval_replica import NoNewWeights
 
 from asyncrl.config import load_config
 from asyncrl.core.message_limits import (
@@ -18,13 +17,11 @@ from asyncrl.core.message_limits import (
     buffer_frame_limit,
     sample_bytes,
 )
-from asyncrl.core.messages import Ack, Trajectories, WorkItem, encode
+from asyncrl.core.messages import Ack, Trajectories, encode
 from asyncrl.generation.tasks import build_tokenizer
-from asyncrl.generators.backend import Rollout
 from asyncrl.generators.worker import GeneratorReplica
+from tests.helpers.generators import PROMPT_LEN, RESPONSE_LEN, NoNewWeights, finished_rollout
 
-PROMPT_LEN = 64
-RESPONSE_LEN = 2000
 SAMPLES = 40
 """40 samples of 2,064 tokens: about 1 MB of token columns, four times one message's."""
 
@@ -53,19 +50,6 @@ class FixedBackend:
     tokenizer = build_tokenizer()
     version = 0
     last_load_s = 0.0
-
-
-def finished_rollout(replica: GeneratorReplica, group_id: int) -> Rollout:
-    """Group ``group_id``'s one sample as the backend finished it: a one-turn episode the
-    replica started, its turn ended at the token limit."""
-    item = WorkItem(group_id, 1, [1] * PROMPT_LEN, "234", "synthetic/digits")
-    rollout = replica.episodes.start(item, 0, now=0.0)
-    rollout.response_ids = [5] * RESPONSE_LEN
-    rollout.logprobs = [-0.5] * RESPONSE_LEN
-    rollout.token_versions = [0] * RESPONSE_LEN
-    rollout.loss_mask = [1] * RESPONSE_LEN
-    rollout.finish_reason = "length"
-    return rollout
 
 
 def test_many_long_samples_go_in_several_messages_each_within_the_frame_cap():

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from learner_testing import single_rank
 
 from asyncrl.learner.distributed import Ranks
+from tests.helpers.learner import single_rank
 
 
 @pytest.fixture(scope="module")

@@ -33,13 +33,9 @@ from asyncrl.learner.algorithms import (
     rloo_advantages,
     token_level_rewards,
 )
+from tests.helpers.tensors import close
 
 torch.set_num_threads(1)
-
-
-def close(actual: torch.Tensor, expected, atol: float = 1e-5) -> None:
-    expected = torch.as_tensor(expected, dtype=torch.float32)
-    torch.testing.assert_close(actual.float(), expected, atol=atol, rtol=0)
 
 
 # ----------------------------------------------------------------------- GRPO

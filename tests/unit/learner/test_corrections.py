@@ -12,20 +12,16 @@ import typing
 
 import pytest
 import torch
-from algorithm_cases import on_policy_inputs
 
 from asyncrl.config import AlgorithmConfig, GrpoConfig
 from asyncrl.learner.algorithms import policy_loss
 from asyncrl.learner.algorithms.corrections import LEVELS, batch_weight_scale, behavior_weights
 from asyncrl.learner.algorithms.registry import CORRECTIONS
+from tests.helpers.learner import on_policy_inputs
+from tests.helpers.tensors import close
 
 torch.set_num_threads(1)
 NAN = float("nan")
-
-
-def close(actual: torch.Tensor, expected, atol: float = 1e-5) -> None:
-    expected = torch.as_tensor(expected, dtype=torch.float32)
-    torch.testing.assert_close(actual.float(), expected, atol=atol, rtol=0)
 
 
 def _ratios(log_rho: list[list[float]], mask: list[list[int]]):

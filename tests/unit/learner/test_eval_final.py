@@ -12,8 +12,6 @@ import time
 import msgspec
 import pytest
 from rich.console import Console
-from test_buffer_eval_service import LEARNER, Recorded, samples_of
-from test_eval_console import append, record
 
 from asyncrl.config import load_config, save_config
 from asyncrl.core.messages import (
@@ -33,6 +31,8 @@ from asyncrl.learner.final_eval import FINAL_EVAL, FinalEval, final_round
 from asyncrl.run.console import LiveConsole, PlainConsole
 from asyncrl.run.launch import closing_message
 from asyncrl.run.status import read_metrics, read_records, show
+from tests.helpers.buffer_service import LEARNER, Recorded, samples_of
+from tests.helpers.console import append, record
 
 EVAL = ("eval.every_steps=1", "eval.max_prompts=2")
 

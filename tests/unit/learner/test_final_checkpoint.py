@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
-from buffer_samples import group_samples, make_store
 
 from asyncrl.buffer.durable import check_state
 from asyncrl.buffer.store import SKIP_REASONS, BufferStore
@@ -29,6 +28,7 @@ from asyncrl.learner.buffer_client import BufferClient, BufferStateNotSaved
 from asyncrl.learner.checkpointer import BufferState, Checkpointer, Completer
 from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.policy import Learner
+from tests.helpers.buffer_samples import group_samples, make_store
 
 
 def earlier_checkpoint(run_dir: Path, step: int, state: dict, complete: bool = True) -> Path:

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from algorithm_cases import close
 
 from asyncrl.learner.algorithms import (
     KL_ESTIMATORS,
@@ -20,6 +19,7 @@ from asyncrl.learner.algorithms import (
     make_kl_controller,
     token_level_rewards,
 )
+from tests.helpers.tensors import close
 
 torch.set_num_threads(1)
 

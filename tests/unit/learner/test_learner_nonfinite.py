@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from learner_testing import TINY_LEARNER, synthetic_batch
 
 from asyncrl.config import load_config
 from asyncrl.core.paths import COMPLETE, checkpoint_dir, latest_checkpoint
@@ -23,6 +22,7 @@ from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.checkpointer import Checkpointer, Completer
 from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.policy import Learner
+from tests.helpers.learner import TINY_LEARNER, synthetic_batch
 
 
 @pytest.fixture

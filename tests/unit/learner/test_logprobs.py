@@ -11,10 +11,10 @@ import math
 
 import pytest
 import torch
-from algorithm_cases import close
 
 from asyncrl.learner import algorithms
 from asyncrl.learner.algorithms import entropy_from_logits, token_logprobs
+from tests.helpers.tensors import close
 
 torch.set_num_threads(1)
 

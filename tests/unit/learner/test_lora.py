@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-from learner_testing import TINY_LEARNER, synthetic_batch
 from torch.distributed.checkpoint import FileSystemReader
 
 from asyncrl.config import load_config
@@ -21,6 +20,7 @@ from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.learner import checkpoint, sharding
 from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.policy import Learner
+from tests.helpers.learner import TINY_LEARNER, synthetic_batch
 
 peft = pytest.importorskip("peft")
 

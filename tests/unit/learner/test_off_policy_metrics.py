@@ -15,14 +15,11 @@ from asyncrl.learner.algorithms.off_policy import (
     TOKEN_MEAN_KEYS,
     off_policy_metrics,
 )
+from tests.helpers.tensors import close
 
 torch.set_num_threads(1)
 NAN = float("nan")
 LOG2 = math.log(2.0)
-
-
-def close(actual: torch.Tensor, expected: float, atol: float = 1e-5) -> None:
-    torch.testing.assert_close(actual.float(), torch.tensor(expected), atol=atol, rtol=0)
 
 
 def _example():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from learner_testing import GROUP, TINY_LEARNER, synthetic_batch
 
 from asyncrl.config import load_config
 from asyncrl.generation.tasks import build_tokenizer
@@ -21,6 +20,7 @@ from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.microbatch import MicroBatch
 from asyncrl.learner.packing import Layout, packed_input, padded_input, token_outputs
 from asyncrl.learner.policy import Learner
+from tests.helpers.learner import GROUP, TINY_LEARNER, synthetic_batch
 
 PROMPT = 3
 """The synthetic batch's prompt length: its loss mask starts at position 2."""

@@ -16,10 +16,10 @@ import typing
 
 import pytest
 import torch
-from algorithm_cases import on_policy_inputs
 
 from asyncrl.config import AlgorithmConfig
 from asyncrl.learner.algorithms import AGGREGATIONS, CORRECTIONS, POLICY_LOSSES, policy_loss
+from tests.helpers.learner import on_policy_inputs
 
 torch.set_num_threads(1)
 

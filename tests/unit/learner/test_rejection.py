@@ -12,14 +12,10 @@ import torch
 
 from asyncrl.config.algorithm import RejectionCriterion
 from asyncrl.learner.algorithms.rejection import Criterion, m2po_keep, rejection_keep
+from tests.helpers.tensors import close
 
 torch.set_num_threads(1)
 NAN = float("nan")
-
-
-def close(actual: torch.Tensor, expected, atol: float = 1e-6) -> None:
-    expected = torch.as_tensor(expected, dtype=torch.float32)
-    torch.testing.assert_close(actual.float(), expected, atol=atol, rtol=0)
 
 
 def _batch(log_rho: list[list[float]], mask: list[list[int]]):
@@ -49,12 +45,12 @@ def test_two_criteria_are_anded(make):
     keep, stats = rejection_keep(proximal, behavior, mask, criteria)
     assert keep.tolist() == [[False, True, True], [True, True, False], [False, False, False]]
     # 8 valid tokens, 1 + 3 dropped; rows 0 and 2 of 3 have a drop
-    close(stats["rejection_token_frac"], 4 / 8)
-    close(stats["rejection_seq_frac"], 2 / 3)
-    close(stats["rejection_0_token_ratio_token_frac"], 1 / 8)
-    close(stats["rejection_0_token_ratio_seq_frac"], 1 / 3)
-    close(stats["rejection_1_seq_sum_k1_token_frac"], 3 / 8)
-    close(stats["rejection_1_seq_sum_k1_seq_frac"], 1 / 3)
+    close(stats["rejection_token_frac"], 4 / 8, atol=1e-6)
+    close(stats["rejection_seq_frac"], 2 / 3, atol=1e-6)
+    close(stats["rejection_0_token_ratio_token_frac"], 1 / 8, atol=1e-6)
+    close(stats["rejection_0_token_ratio_seq_frac"], 1 / 3, atol=1e-6)
+    close(stats["rejection_1_seq_sum_k1_token_frac"], 3 / 8, atol=1e-6)
+    close(stats["rejection_1_seq_sum_k1_seq_frac"], 1 / 3, atol=1e-6)
 
 
 def test_no_criteria_keeps_the_mask():
@@ -158,9 +154,9 @@ def test_m2po_drops_the_largest_squared_log_ratios_until_the_mean_fits(
     keep, stats = m2po_keep(proximal, behavior, mask, threshold)
     assert keep.tolist() == [expected_keep]
     dropped = 5 - sum(expected_keep)
-    close(stats["m2po_masked_frac"], dropped / 5)
-    close(stats["m2po_second_moment_before"], 0.275)
-    close(stats["m2po_second_moment_after"], after)
+    close(stats["m2po_masked_frac"], dropped / 5, atol=1e-6)
+    close(stats["m2po_second_moment_before"], 0.275, atol=1e-6)
+    close(stats["m2po_second_moment_after"], after, atol=1e-6)
 
 
 def test_m2po_ranks_tokens_across_the_whole_batch():
@@ -176,7 +172,7 @@ def test_m2po_keeps_the_smallest_token_when_nothing_fits():
     proximal, behavior, mask = _batch([[1.0, -2.0]], [[1, 1]])
     keep, stats = m2po_keep(proximal, behavior, mask, 0.5)
     assert keep.tolist() == [[True, False]]
-    close(stats["m2po_second_moment_after"], 1.0)
+    close(stats["m2po_second_moment_after"], 1.0, atol=1e-6)
 
 
 def test_m2po_on_an_empty_mask_keeps_nothing_and_reports_zeros():

@@ -7,15 +7,14 @@ from __future__ import annotations
 import json
 from contextlib import ExitStack
 
-from test_buffer_episodes import episodes_of
-from test_buffer_eval_service import LEARNER, Recorded
-
 from asyncrl.config import load_config
 from asyncrl.core.messages import BatchRequest, EpisodeCounts, WorkRequest, decode, encode
 from asyncrl.learner.batch import collate
 from asyncrl.learner.batch_source import Fetched
 from asyncrl.learner.step_log import StepLog
 from asyncrl.run.console import step_line
+from tests.helpers.buffer_samples import episodes_of
+from tests.helpers.buffer_service import LEARNER, Recorded
 
 
 class KeepsArrays(Recorded):

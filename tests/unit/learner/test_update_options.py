@@ -13,7 +13,6 @@ import math
 
 import pytest
 import torch
-from learner_testing import TINY_LEARNER, synthetic_batch
 
 from asyncrl.config import load_config
 from asyncrl.generation.tasks import build_tokenizer
@@ -21,6 +20,7 @@ from asyncrl.learner import checkpoint
 from asyncrl.learner.algorithms import off_policy
 from asyncrl.learner.distributed import Ranks
 from asyncrl.learner.policy import Learner
+from tests.helpers.learner import TINY_LEARNER, synthetic_batch
 
 
 def make_learner(ranks: Ranks, *overrides: str) -> Learner:

@@ -7,8 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import test_preflight
-from test_preflight import config_for, jsonl, problems_of, row
 
 from asyncrl.generation import tasks
 from asyncrl.generation.envs.tool_env import default_score
@@ -27,6 +25,7 @@ from asyncrl.generation.rewards import (
 from asyncrl.generation.rewards.worker import score_one
 from asyncrl.run import preflight as preflight_module
 from asyncrl.run.preflight import preflight
+from tests.helpers.preflight import character_tokenizer_dir, config_for, jsonl, problems_of, row
 
 VERL_NAMES = {
     "openai/gsm8k": gsm8k_score,
@@ -89,7 +88,7 @@ def test_an_environment_default_score_resolves_the_same_way():
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """test_preflight's character tokenizer, with a chat template."""
-    return test_preflight.tokenizer_dir.__wrapped__(tmp_path_factory)
+    return character_tokenizer_dir(tmp_path_factory)
 
 
 @pytest.fixture(autouse=True)

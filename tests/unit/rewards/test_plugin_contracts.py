@@ -2,7 +2,7 @@
 ``module:Class``: reward functions (``reward.function``, an environment's
 ``compute_score``) and environments (``environment.name``).
 
-Each plug-in is a module of its own on ``sys.path``, loaded by the loader the
+Each plug-in is a module of its own on the import path, loaded by the loader the
 product uses (:func:`asyncrl.generation.rewards.load_reward_function` in the
 :class:`~asyncrl.generation.rewards.RewardScorer`'s workers;
 :func:`asyncrl.generation.envs.factory.environment_factory` in a generator replica), so what
@@ -98,7 +98,7 @@ not_a_class = Guess()
 
 @pytest.fixture
 def plugins(tmp_path, monkeypatch):
-    """``contract_plugins`` importable here and, through ``sys.path``, in reward workers."""
+    """``contract_plugins`` importable here and, through the import path, in reward workers."""
     (tmp_path / "contract_plugins.py").write_text(textwrap.dedent(PLUGINS))
     monkeypatch.syspath_prepend(str(tmp_path))
     return "contract_plugins"

@@ -9,11 +9,7 @@ from rich.console import Console
 
 from asyncrl.config import load_config
 from asyncrl.run.console import LiveConsole, MetricsFollower, PlainConsole, ReplicaHealth, step_line
-
-RECORD = {
-    "step": 9, "version": 10, "reward_mean": 0.5, "staleness_mean": 0.75, "staleness_max": 1,
-    "samples_per_s": 123.4, "learner_wait_frac": 0.25, "buffer_held": 128.0,
-}  # fmt: skip
+from tests.helpers.console import RECORD
 
 
 def test_follower_starts_at_the_end_and_reads_whole_lines_only(tmp_path):

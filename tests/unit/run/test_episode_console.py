@@ -5,11 +5,10 @@ from __future__ import annotations
 import io
 
 from rich.console import Console
-from test_console import RECORD
-from test_eval_console import append, record
 
 from asyncrl.config import load_config
 from asyncrl.run.console import LiveConsole, PlainConsole, step_line
+from tests.helpers.console import RECORD, append, record
 
 EPISODES = {
     "episode_turns_mean": 2.125, "episode_tool_calls_mean": 1.5,

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from tests.helpers.scripts import benchmark
 
-import gpu_model_checks  # noqa: E402  (benchmarks/ is not a package)
-from gpu_check import MIN_START_S, NO_CUDA, Check, Figures, Runner  # noqa: E402
+ROOT = Path(__file__).resolve().parents[3]
+gpu_check = benchmark("gpu_check")
+gpu_model_checks = benchmark("gpu_model_checks")
+MIN_START_S, NO_CUDA, Check = gpu_check.MIN_START_S, gpu_check.NO_CUDA, gpu_check.Check
+Figures, Runner = gpu_check.Figures, gpu_check.Runner
 
 FAKE_CHECKS = """
 import time

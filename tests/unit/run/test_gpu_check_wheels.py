@@ -24,10 +24,11 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "scripts"))
+from tests.helpers.scripts import script
 
-from import_graph import module_files, package_dirs  # noqa: E402  (scripts/ is not a package)
+ROOT = Path(__file__).resolve().parents[3]
+_graph = script("import_graph")
+module_files, package_dirs = _graph.module_files, _graph.package_dirs
 
 PACKAGES = Path(__file__).with_name("gpu_machine_packages.txt")
 WHEELS_SCRIPT = ROOT / "scripts" / "gpu_wheels.sh"
@@ -49,9 +50,14 @@ GPU_PYTHON = {  # the machine's interpreter, for the wheels' requirement markers
     "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
     "platform_python_implementation": "CPython", "implementation_name": "cpython", "extra": "",
 }  # fmt: skip
-SCRIPT_FOLDERS = [ROOT / "benchmarks", ROOT / "tests", ROOT / "tests" / "gpu"]
-"""Folders the check puts on ``sys.path``: their modules are the repository's, not
-third-party."""
+SCRIPT_FOLDERS = [ROOT / "benchmarks"]
+"""Folders whose scripts import each other by bare name (``gpu_check.py`` puts its own on
+the import path): their modules are the repository's, not third-party."""
+TEST_MODULES = {
+    ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
+    for path in sorted((ROOT / "tests").rglob("*.py"))
+}
+"""``{tests.gpu.test_x: its file}``: the test package, the repository's too."""
 
 
 def preinstalled() -> dict[str, Version | None]:
@@ -110,9 +116,11 @@ def third_party_imports(files: list[Path], entry_points: list[str]) -> dict[str,
                 top = name.split(".")[0]
                 if name in package:
                     todo.append((package[name], False))
+                elif name in TEST_MODULES:
+                    todo.append((TEST_MODULES[name], True))
                 elif top in scripts:
                     todo.append((scripts[top], True))
-                elif top not in stdlib and top != "asyncrl":
+                elif top not in stdlib and top not in ("asyncrl", "tests"):
                     found.setdefault(top, set()).add(shown(path))
     return found
 

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from asyncrl.config import load_config, save_config
 from asyncrl.run import supervision
 from asyncrl.run.local_run import RankGroup, Supervisor
 from asyncrl.run.roles import CONFIG_ENV, config_env, read_config
+from tests.helpers.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -52,13 +52,6 @@ def supervisor_with(tmp_path: Path, group: RankGroup) -> Supervisor:
     return supervisor
 
 
-def wait_for(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-
-
 def test_any_rank_failing_fails_the_learner_and_the_stop_ends_every_rank(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -66,7 +59,7 @@ def test_any_rank_failing_fails_the_learner_and_the_stop_ends_every_rank(
     healthy, failing = rank(), rank(status=3, sleep_s=0.2)
     supervisor = supervisor_with(tmp_path, RankGroup([healthy, failing]))
     try:
-        wait_for(lambda: supervisor.failure() is not None)
+        wait_until(lambda: supervisor.failure() is not None, 10.0)
         failure = supervisor.failure()
         assert failure.startswith("learner rank 1 of 2 exited with status 3; last lines of ")
         assert "rank 1: boom" in failure
@@ -85,10 +78,10 @@ def test_the_learner_is_done_once_every_rank_exited_cleanly(tmp_path: Path) -> N
     first, last = rank(sleep_s=0.1), rank(sleep_s=1.5)
     group = RankGroup([first, last])
     supervisor = supervisor_with(tmp_path, group)
-    wait_for(lambda: first.poll() is not None)
+    wait_until(lambda: first.poll() is not None, 10.0)
     assert group.poll() is None and not supervisor.learner_finished()  # rank 1 still works
     assert supervisor.failure() is None
-    wait_for(supervisor.learner_finished)
+    wait_until(supervisor.learner_finished, 10.0)
     assert supervisor.failure() is None
 
 
@@ -115,7 +108,7 @@ def test_each_rank_is_started_with_its_rank_and_a_fresh_private_store(
     store.write_text("an earlier group's")
     supervisor.start("learner", "learner", ranks=2)
     assert not store.exists()  # removed before the next start
-    wait_for(lambda: supervisor.processes["learner"].poll() == 0)
+    wait_until(lambda: supervisor.processes["learner"].poll() == 0, 10.0)
     supervisor.stop_all()
     assert not store.parent.exists()
 

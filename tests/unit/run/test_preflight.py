@@ -4,29 +4,18 @@ and, for data, the file and row; a reward function is called in a worker process
 from __future__ import annotations
 
 import importlib.util
-import json
-import string
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from asyncrl.config import load_config
 from asyncrl.run import preflight as preflight_module
-from asyncrl.run.preflight import PreflightError, preflight
+from asyncrl.run.preflight import preflight
+from tests.helpers.preflight import character_tokenizer_dir, config_for, jsonl, problems_of, row
 
 ROOT = Path(__file__).resolve().parents[3]
 SMOLLM2 = ROOT / "models" / "SmolLM2-135M-Instruct"
 ARITHMETIC = ROOT / "data" / "arithmetic"
-TEMPLATE = (
-    "{% if messages[0]['role'] == 'system' %}"
-    "{{ raise_exception('System role not supported') }}{% endif %}"
-    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<assistant>{% endif %}"
-)
-
-
 @pytest.fixture(autouse=True)
 def no_machine_problems(monkeypatch):
     """This machine's cores and GPUs are not what these tests are about."""
@@ -36,51 +25,7 @@ def no_machine_problems(monkeypatch):
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """A saved character tokenizer whose chat template refuses a system turn."""
-    vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", *string.printable])}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
-    )
-    tokenizer.chat_template = TEMPLATE
-    path = tmp_path_factory.mktemp("tokenizer")
-    tokenizer.save_pretrained(path)
-    return path
-
-
-def row(question: str, answer: str = "72", source: str = "openai/gsm8k", system: bool = False):
-    prompt = [{"role": "user", "content": question}]
-    if system:
-        prompt.insert(0, {"role": "system", "content": "Be brief."})
-    return {"data_source": source, "prompt": prompt, "reward_model": {"ground_truth": answer}}
-
-
-def jsonl(path: Path, *lines: bytes | dict) -> Path:
-    path.write_bytes(b"".join(_line(line) + b"\n" for line in lines))
-    return path
-
-
-def _line(line: bytes | dict) -> bytes:
-    return line if isinstance(line, bytes) else json.dumps(line).encode()
-
-
-def config_for(tokenizer_dir: Path, train: list[Path], *overrides: str):
-    return load_config(
-        None,
-        [
-            f"model.name_or_path={tokenizer_dir}",
-            f"data.train_files=[{','.join(map(str, train))}]",
-            *overrides,
-        ],
-    )
-
-
-def problems_of(config, **options) -> list[str]:
-    with pytest.raises(PreflightError) as error:
-        preflight(config, **options)
-    assert str(error.value) == "\n".join(error.value.problems)
-    return error.value.problems
+    return character_tokenizer_dir(tmp_path_factory)
 
 
 def reward_file(tmp_path: Path, body: str) -> str:

@@ -4,27 +4,14 @@ shipped config's, TRL sees the task's own reward, and the report's arithmetic ho
 from __future__ import annotations
 
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
 from asyncrl.config import load_config
+from tests.helpers.scripts import benchmark
 
-BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))  # the scripts import their neighbour `common`
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-workers = load("vs_trl_workers")
-vs_trl = load("vs_trl")
+workers = benchmark("vs_trl_workers")
+vs_trl = benchmark("vs_trl")
 
 
 def test_both_sides_run_the_shipped_real_model_config_s_settings():

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
-import string
 from pathlib import Path
 
 import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import processors
 from transformers import PreTrainedTokenizerFast
 
 from asyncrl.config import ConfigError, load_config
@@ -20,41 +19,9 @@ from asyncrl.core.messages import WorkGrant, WorkItem, decode, encode
 from asyncrl.generation.data import MAX_LINE_BYTES, DataError, PromptDataset, scan_rows
 from asyncrl.generation.rewards import RewardFunctionError
 from asyncrl.generation.tasks import build_tokenizer, work_item_factory
-
-TEMPLATE = (
-    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<assistant>{% endif %}"
-)
-
-
-def chat_tokenizer() -> PreTrainedTokenizerFast:
-    """Characters of printable ASCII, one token each, with a small chat template."""
-    vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", *string.printable])}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
-    )
-    tokenizer.chat_template = TEMPLATE
-    return tokenizer
-
-
-def row(question: str, answer: str = "72", source: str = "openai/gsm8k", **extra) -> dict:
-    return {
-        "data_source": source,
-        "prompt": [{"role": "user", "content": question}],
-        "reward_model": {"style": "rule", "ground_truth": answer},
-        "extra_info": {"index": 0, **extra},
-    }
-
+from tests.helpers.data import TEMPLATE, chat_tokenizer, row, write_jsonl
 
 ROWS = [row("What is 8 * 9?"), row("Add 2 and 3.", "5"), row("And 10 - 4?", "6")]
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def write_parquet(path, rows):

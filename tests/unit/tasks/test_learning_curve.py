@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+from tests.helpers.scripts import benchmark
 
-from learning_curve import beside_runs, eval_rounds, summarise
+learning_curve = benchmark("learning_curve")
+beside_runs, eval_rounds = learning_curve.beside_runs, learning_curve.eval_rounds
+summarise = learning_curve.summarise
 
 
 def _step(step, reward=None, version=None, samples=0):

@@ -11,12 +11,12 @@ import time
 import pytest
 import torch
 import zmq
-from test_shm_refusals import EMBEDDING, holds, make_backend, published, sample
 
 from asyncrl.core.transport import free_port, tcp
 from asyncrl.weights import WeightClient, WeightPublisher
 from asyncrl.weights.checks import WeightsRefused
 from asyncrl.weights.zmq.source import ZmqSource
+from tests.helpers.weights import EMBEDDING, holds, make_backend, published, sample
 
 
 @pytest.fixture

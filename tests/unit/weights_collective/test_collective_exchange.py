@@ -7,13 +7,13 @@ from collections import Counter
 
 import pytest
 import torch
-from collective_testing import LEARNER_KEY, running_replica, version_tensors
 
 from asyncrl.core.signing import group_key_pair
 from asyncrl.weights.collective.buckets import JoinRequest, seal
 from asyncrl.weights.collective.groups import JOIN_QUEUE, connect_store
 from asyncrl.weights.collective.sender import CollectiveSender
 from asyncrl.weights.snapshot import SnapshotStore
+from tests.helpers.collective import LEARNER_KEY, running_replica, version_tensors
 
 BUCKET_BYTES = 256  # the 16-wide model's 4 float32 tensors (32 + 512 + 256 + 16 bytes) and bf16
 

@@ -4,59 +4,22 @@ progress, and a version rewritten while it was sent is refused by the verdict.""
 from __future__ import annotations
 
 import threading
-from collections import Counter
 
 import pytest
-import torch
-from collective_testing import LEARNER_KEY, command, running_replica, version_tensors, wait_for
 
 import asyncrl.weights.collective.outgoing as outgoing
 import asyncrl.weights.shm.writer as shm_writer
-from asyncrl.weights.collective.sender import CollectiveSender
-from asyncrl.weights.shm.publisher import ShmPublisher
 from asyncrl.weights.shm.segment import PROGRESS_OFFSET
-from asyncrl.weights.shm.writer import ShmWriter
-from asyncrl.weights.snapshot import SnapshotStore
-
-WIDTH, LAYERS = 32, 4  # 4 KiB per square weight
-BUCKET_BYTES = 8 << 10
-
-
-class _Zmq:
-    """The ZeroMQ publisher's part the shm sink feeds: its snapshots."""
-
-    def __init__(self):
-        self.snapshots = SnapshotStore(1 << 22, Counter())
-        self.version = 0
-
-    def publish(self, tensors, version: int) -> float:
-        self.snapshots.publish(dict(tensors), version)
-        self.version = version
-        return 0.0
-
-    def stats(self) -> dict[str, float]:
-        return {}
-
-    def close(self) -> None:
-        pass
-
-
-@pytest.fixture
-def learner(tmp_path):
-    zmq = _Zmq()
-    sink = ShmPublisher(zmq, ShmWriter(tmp_path))
-    sender = CollectiveSender(
-        zmq.snapshots,
-        "127.0.0.1",
-        0,
-        LEARNER_KEY,
-        bucket_bytes=BUCKET_BYTES,
-        deadline_s=30.0,
-        run_dir=tmp_path,
-    )
-    yield sink, sender
-    sender.close()
-    sink.close()
+from tests.helpers.collective import (
+    BUCKET_BYTES,
+    LAYERS,
+    WIDTH,
+    assert_holds,
+    command,
+    running_replica,
+    version_tensors,
+)
+from tests.helpers.waiting import came_true
 
 
 @pytest.fixture
@@ -64,13 +27,6 @@ def replica(learner):
     _, sender = learner
     with running_replica(sender.address, BUCKET_BYTES, WIDTH, layers=LAYERS, homing=True) as pipe:
         yield pipe
-
-
-def assert_holds(pipe, version: int) -> None:
-    status, state, held = command(pipe, "params")
-    assert status == "ok" and held == version
-    for name, tensor in version_tensors(version, WIDTH, LAYERS).items():
-        assert torch.equal(state[name], tensor), name
 
 
 @pytest.mark.timeout(180)
@@ -96,7 +52,7 @@ def test_buckets_go_while_the_learner_is_still_writing_the_version(learner, repl
         replica.send(("sync", 30.0))
         # bytes of v2 leave while its last tensor is not even written
         sent = "weights_collective_bytes_sent_total"
-        assert wait_for(lambda: sender.stats()[sent] > sent_before, 30.0, 0.01)
+        assert came_true(lambda: sender.stats()[sent] > sent_before, 30.0, 0.01)
         assert not replica.poll(0.2)  # and the replica waits for the rest
     finally:
         last_allowed.set()
@@ -107,7 +63,7 @@ def test_buckets_go_while_the_learner_is_still_writing_the_version(learner, repl
     # the replica's answer comes first
     counted = {"weights_collective_transfers_finished_total": 2,
                "weights_collective_transfers_followed_total": 1}  # fmt: skip
-    wait_for(lambda: all(sender.stats().get(k, 0) == n for k, n in counted.items()), 30.0, 0.01)
+    came_true(lambda: all(sender.stats().get(k, 0) == n for k, n in counted.items()), 30.0, 0.01)
     stats = sender.stats()
     assert {key: stats.get(key, 0) for key in counted} == counted
 
@@ -143,7 +99,7 @@ def test_the_first_bytes_go_while_the_learner_is_still_writing_the_first_tensor(
         assert first_piece_written.wait(30)
         replica.send(("sync", 30.0))
         # "scale" and the first 256 bytes of "0.weight" leave; the next piece waits for its
-        assert wait_for(lambda: sender.stats()[sent] - sent_before == 12 + 256, 30.0, 0.01)
+        assert came_true(lambda: sender.stats()[sent] - sent_before == 12 + 256, 30.0, 0.01)
         assert not replica.poll(0.2)
         assert sender.stats()[sent] - sent_before == 12 + 256
     finally:
@@ -177,7 +133,7 @@ def test_a_version_rewritten_while_sent_is_refused_and_read_again(learner, repli
     assert partial is True and held == 1  # received into the model: a mix, not claimed
     # the sender counts it after the verdict the replica already acted on
     overwritten = "weights_collective_transfers_overwritten_total"
-    assert wait_for(lambda: sender.stats().get(overwritten) == 1, 10.0), sender.stats()
+    assert came_true(lambda: sender.stats().get(overwritten) == 1, 10.0), sender.stats()
     assert sender.stats()["weights_collective_members"] == 1  # the group is sound and stays
 
     monkeypatch.setattr(outgoing.SlotVersion, "intact", real_intact)

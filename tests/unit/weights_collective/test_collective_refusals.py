@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from collective_testing import command, running_replica, version_tensors
-from test_collective_from_slot import BUCKET_BYTES, LAYERS, WIDTH, assert_holds, learner
-from test_shm_refusals import NAN, tamper
 
 from asyncrl.weights.shm.segment import SHM_DIR
+from tests.helpers.collective import (
+    BUCKET_BYTES,
+    LAYERS,
+    WIDTH,
+    assert_holds,
+    command,
+    running_replica,
+    version_tensors,
+)
+from tests.helpers.weights import NAN, tamper
 
 pytestmark = pytest.mark.slow  # a spawned replica process
-
-__all__ = ["learner"]  # the fixture: the test process is the learner
 
 
 @pytest.mark.timeout(180)

@@ -1,9 +1,9 @@
-"""What learner tests build on: a process group of one in this process, and a synthetic
-padded batch. Used by the unit, integration (the FSDP worker script) and GPU tests and
-by the script that captured the golden numbers.
+"""What learner tests build on: a process group of one in this process, a synthetic
+padded batch, and a small on-policy batch for the loss tests. Used by the unit,
+integration (the FSDP worker script) and GPU tests and by the script that captured the
+golden numbers.
 
-Not a test module; each user puts ``tests/`` on ``sys.path`` (the unit tests' conftest
-does it for them).
+Not a test module: ``from tests.helpers.learner import ...``.
 """
 
 from __future__ import annotations
@@ -73,3 +73,14 @@ def synthetic_batch(step: int, vocab: int, size: int = 16, width: int = 12, seed
         versions=torch.full((size,), step),
         response_lengths=lengths - 3,
     )
+
+
+def on_policy_inputs():
+    """Logprobs with grad; proximal and behavior equal to them (ratio 1, weight 1)."""
+    torch.manual_seed(0)
+    logprobs = (-torch.rand(2, 3) - 0.1).requires_grad_(True)
+    proximal = logprobs.detach().clone()
+    behavior = proximal.clone()
+    advantages = torch.tensor([2.0, -0.5])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    return logprobs, proximal, behavior, advantages, mask

@@ -98,16 +98,6 @@ def command(pipe, *message, within_s: float = 120.0):
     return pipe.recv()
 
 
-def wait_for(predicate, within_s: float, every_s: float = 0.05) -> bool:
-    """Whether ``predicate()`` came true within ``within_s``."""
-    end = time.monotonic() + within_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(every_s)
-    return False
-
-
 def pause_after_buckets(count: int, pipe) -> None:
     """Make this process say ``("in_broadcast", count)`` once ``count`` buckets of a
     transfer arrived, then dawdle, so the test can SIGSTOP it in the middle."""
@@ -185,3 +175,16 @@ def replica_main(
             )
     source.close()
     context.destroy(linger=0)
+
+
+# ----------------------------------------- the from-slot tests' versions
+
+WIDTH, LAYERS = 32, 4  # 4 KiB per square weight
+BUCKET_BYTES = 8 << 10
+
+
+def assert_holds(pipe, version: int) -> None:
+    status, state, held = command(pipe, "params")
+    assert status == "ok" and held == version
+    for name, tensor in version_tensors(version, WIDTH, LAYERS).items():
+        assert torch.equal(state[name], tensor), name

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 
 from asyncrl.buffer.store import BufferStore, Sample
 from asyncrl.config import BufferConfig
-from asyncrl.core.messages import TrajectoryMeta, WorkItem
+from asyncrl.core.messages import (
+    EpisodeCounts,
+    Trajectories,
+    TrajectoryMeta,
+    WorkItem,
+    decode,
+    encode,
+)
 
 TIMEOUT = 10.0
 
@@ -69,3 +77,53 @@ def group_samples(
 ) -> list[Sample]:
     size = store.make_item(group_id).num_samples
     return [make_sample(group_id, i, generator_id=generator_id, **fields) for i in range(size)]
+
+
+def eval_items(count: int = 2, samples: int = 2, sources: tuple[str, ...] = ("s",)) -> list:
+    return [
+        WorkItem(-1 - j, samples, [7, 8, 9], "y", sources[j % len(sources)]) for j in range(count)
+    ]
+
+
+def eval_store(count: int = 2, samples: int = 2, **options) -> BufferStore:
+    options.setdefault("group_size", 2)
+    options.setdefault("samples_per_step", 4)
+    sources = options.pop("sources", ("s",))
+    return make_store(eval_items=eval_items(count, samples, sources), **options)
+
+
+def eval_sample(
+    item: WorkItem,
+    index: int,
+    generator_id: str = "gen-0",
+    reward: float = 1.0,
+    versions: list[int] | None = None,
+    finish_reason: str = "stop",
+) -> Sample:
+    sample = make_sample(
+        item.group_id, index, versions, generator_id, reward=reward, finish_reason=finish_reason
+    )
+    sample.meta = msgspec.structs.replace(sample.meta, eval_round=item.eval_round)
+    return sample
+
+
+def whole(item: WorkItem, generator_id: str = "gen-0", **fields) -> list[Sample]:
+    return [eval_sample(item, i, generator_id, **fields) for i in range(item.num_samples)]
+
+
+def episodes_of(item: WorkItem, generator_id: str, counts: EpisodeCounts):
+    """The whole group of ``item`` as a replica sends its episodes (through the codec)."""
+    n = item.num_samples
+    metas = [
+        TrajectoryMeta(item.group_id, i, len(item.prompt_ids), 1, 1.0, "stop", generator_id,
+                       episode=counts)
+        for i in range(n)
+    ]  # fmt: skip
+    arrays = {
+        "prompt_ids": np.tile(np.asarray(item.prompt_ids, np.int32), n),
+        "response_ids": np.ones(n, np.int32),
+        "logprobs": np.zeros(n, np.float32),
+        "token_versions": np.zeros(n, np.int32),
+        "loss_mask": np.ones(n, np.uint8),
+    }
+    return decode([bytes(frame) for frame in encode(Trajectories(metas), arrays)])

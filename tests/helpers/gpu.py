@@ -7,7 +7,6 @@ import os
 
 import numpy as np
 import torch
-from learner_testing import TINY_LEARNER
 
 from asyncrl.config import Config, load_config
 from asyncrl.core.messages import Trajectories, TrajectoryMeta, decode, encode
@@ -15,6 +14,7 @@ from asyncrl.core.paths import LEARNER_STORE_ENV
 from asyncrl.generation.tasks import build_tokenizer
 from asyncrl.learner import distributed
 from asyncrl.learner.batch import TrainBatch, collate
+from tests.helpers.learner import TINY_LEARNER
 
 GROUP = 4
 PROMPT_LEN = 3
