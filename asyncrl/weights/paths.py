@@ -54,8 +54,8 @@ def learner_sink(
     config: Config, run_dir: Path, zmq: WeightPublisher
 ) -> WeightPublisher | ShmPublisher | WithBroadcast:
     """Rank 0's sink for the shm and zmq paths: ``zmq`` alone when configured, else shared
-    memory first and ``zmq`` fed from it (:mod:`.shm_publisher`); with ``collective`` also
-    the broadcast beside it (:class:`~.collective_sender.WithBroadcast`), sending from the
+    memory first and ``zmq`` fed from it (:mod:`.shm.publisher`); with ``collective`` also
+    the broadcast beside it (:class:`~.collective.sender.WithBroadcast`), sending from the
     segment (or the snapshots ``zmq`` holds)."""
     if config.weights.transport == "zmq":
         remove_leftover(run_dir)  # of an earlier shm run of this run dir that crashed

@@ -23,7 +23,7 @@ After the buckets comes the verdict: a version the learner rewrote while it
 was sent (``collective/outgoing.py``) is refused, ``overwritten``, and read
 whole from shared memory, the next path; the group stays.
 
-Nothing received counts unchecked (:mod:`.checks`; the broadcast sends from the
+Nothing received counts unchecked (:mod:`~asyncrl.weights.checks`; the broadcast sends from the
 shared-memory slot, which any process of the run's user may write): the offer's
 names, shapes and dtypes must be the engine's before a byte is received, and
 every value received finite before the version counts (a vLLM worker checks

@@ -2,7 +2,7 @@
 
 :class:`CollectiveSender` sends what the learner's publish already wrote: the
 shared-memory slot, followed while it is written, or else the ZeroMQ
-publisher's snapshot (:mod:`.collective_outgoing`). Nothing is added to the
+publisher's snapshot (:mod:`.outgoing`). Nothing is added to the
 learner's publish, the only stall. A thread admits join requests
 (:mod:`asyncrl.weights.collective.groups`); each member then has a thread of its own
 that waits for the member's signed :class:`Ask`, answers with the newest

@@ -21,7 +21,7 @@ a write that left its plan or was overlapped leaves a mix in the engine, and
 the newest complete slot is then loaded whole.
 
 Any process of the run's user may write the segment, so nothing of it reaches
-the engine unchecked (:mod:`.checks`): a slot whose layout is not the engine's,
+the engine unchecked (:mod:`~asyncrl.weights.checks`): a slot whose layout is not the engine's,
 or that holds a NaN or an infinity, is refused before the engine is handed a
 byte of it (a followed write: each part before it is handed over). A refused
 slot is remembered by its write (start and counter), counted and logged once;

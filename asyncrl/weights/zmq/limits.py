@@ -1,8 +1,8 @@
 """What serving weights over ZeroMQ may cost the learner, whoever the peers are.
 
 Each limit below bounds the server's time or memory per peer or in all
-(docs/security.md, "What the weights server accepts"); :mod:`.zmq_server`
-applies the socket options and request checks, :mod:`.zmq_peers` the per-peer
+(docs/security.md, "What the weights server accepts"); :mod:`.server`
+applies the socket options and request checks, :mod:`.peers` the per-peer
 flow control. Rejections are counted and logged at most once per
 ``REJECTION_LOG_INTERVAL_S`` per reason (:class:`RateLimitedLog`).
 """

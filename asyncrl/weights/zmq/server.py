@@ -15,7 +15,7 @@ Protocol (pull; the client is a DEALER, the server thread here a ROUTER)::
                                      | WeightsGone(version, latest_version)
     anything malformed              -> ErrorReply(reason), counted; the server carries on
 
-Limits (:mod:`.zmq_limits`). Whoever the peers are, serving costs the learner
+Limits (:mod:`.limits`). Whoever the peers are, serving costs the learner
 bounded time and memory (docs/security.md, "What the weights server accepts"):
 
 - with authentication on (``cluster=``) only peers admitted as ``generator`` are
@@ -29,7 +29,7 @@ bounded time and memory (docs/security.md, "What the weights server accepts"):
   oldest connections in their handshake beyond ``guard_limits(replicas)``;
 - a peer has at most ``PEER_MAX_CHUNKS`` chunk replies that libzmq still holds,
   all of one version, and at most ``MAX_PEERS_SERVED`` peers have any; further
-  chunk requests wait or are refused (:mod:`.zmq_peers`). A client that never
+  chunk requests wait or are refused (:mod:`.peers`). A client that never
   reads therefore pins at most ``PEER_MAX_CHUNKS`` chunks, and the snapshot it
   pins cannot be recycled until libzmq lets go of them;
 - the ROUTER queues at most ``SEND_HWM`` replies per peer; a reply to a peer with

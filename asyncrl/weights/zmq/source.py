@@ -10,7 +10,7 @@ the engine until the whole version has arrived and passed its checks.
 
 What the learner serves may have been copied from the shared-memory slot, which
 any process of the run's user may write, so the version is checked like every
-other path's (:mod:`.checks`): its manifest's layout against the engine's before
+other path's (:mod:`~asyncrl.weights.checks`): its manifest's layout against the engine's before
 a chunk is asked for, every value finite once fetched, both before the engine
 gets a byte. A refused version (by its number and publish time) is neither
 fetched nor counted again.
