@@ -14,7 +14,7 @@ TEMPLATE = (
 )
 
 
-def chat_tokenizer() -> PreTrainedTokenizerFast:
+def chat_tokenizer(template: str = TEMPLATE) -> PreTrainedTokenizerFast:
     """Characters of printable ASCII, one token each, with a small chat template."""
     vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", *string.printable])}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
@@ -23,7 +23,7 @@ def chat_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
     )
-    tokenizer.chat_template = TEMPLATE
+    tokenizer.chat_template = template
     return tokenizer
 
 

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import string
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from asyncrl.config import load_config
 from asyncrl.run.preflight import PreflightError, preflight
+from tests.helpers.data import chat_tokenizer
 
 TEMPLATE = (
     "{% if messages[0]['role'] == 'system' %}"
@@ -23,14 +21,7 @@ TEMPLATE = (
 
 def character_tokenizer_dir(tmp_path_factory) -> Path:
     """A saved character tokenizer whose chat template refuses a system turn."""
-    vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", *string.printable])}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
-    )
-    tokenizer.chat_template = TEMPLATE
+    tokenizer = chat_tokenizer(TEMPLATE)
     path = tmp_path_factory.mktemp("tokenizer")
     tokenizer.save_pretrained(path)
     return path
