@@ -56,14 +56,17 @@ def make_rollouts(count: int = 16, length: int = 5) -> list[Rollout]:
     return [Rollout(0, i, p, "x") for i, p in enumerate(prompts(count, length))]
 
 
-def run_to_completion(backend: Backend, rollouts: list[Rollout]) -> list[list[int]]:
-    """Chunks until every rollout is finished; returns each chunk's growth per rollout."""
+def run_to_completion(
+    backend: Backend, rollouts: list[Rollout], chunk: int = CHUNK
+) -> list[list[int]]:
+    """Chunks of ``chunk`` tokens until every rollout is finished (at most one chunk per
+    token of ``MAX_NEW``); returns each chunk's growth per rollout."""
     growth = []
     for _ in range(4 * MAX_NEW):
         if all(r.finished for r in rollouts):
             break
         before = [len(r.response_ids) for r in rollouts]
-        backend.generate_chunk(rollouts, CHUNK)
+        backend.generate_chunk(rollouts, chunk)
         growth.append([len(r.response_ids) - b for r, b in zip(rollouts, before, strict=True)])
     assert all(r.finished for r in rollouts)
     return growth

@@ -8,6 +8,7 @@ import torch
 from asyncrl.config import GeneratorsConfig, ModelConfig, TinyModelConfig
 from asyncrl.generation.models import build_policy
 from asyncrl.generators.hf_backend import HFBackend, Rollout
+from tests.helpers.engines import run_to_completion
 from tests.helpers.generators import CHUNK, MAX_NEW, make_backend, recompute
 
 torch.set_num_threads(1)
@@ -36,16 +37,8 @@ def bias_eos(backend: HFBackend, amount: float):
 
 
 def generate_to_completion(backend: HFBackend, rollouts: list[Rollout]) -> list[list[int]]:
-    """Run chunks until every rollout is finished; returns each call's growth per rollout."""
-    growth = []
-    for _ in range(10):
-        if all(r.finished for r in rollouts):
-            break
-        before = [len(r.response_ids) for r in rollouts]
-        backend.generate_chunk(rollouts, CHUNK)
-        growth.append([len(r.response_ids) - b for r, b in zip(rollouts, before, strict=True)])
-    assert all(r.finished for r in rollouts)
-    return growth
+    """Run chunks of this file's size until every rollout is finished."""
+    return run_to_completion(backend, rollouts, chunk=CHUNK)
 
 
 def test_a_chunk_extends_each_rollout_by_at_most_the_chunk_size():
