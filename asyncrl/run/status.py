@@ -104,11 +104,7 @@ def show(run_dir: Path, console: Console | None = None) -> int:
     checkpoint = latest_checkpoint(run_dir)
     console.print(f"latest complete checkpoint: {checkpoint or 'none'}")
 
-    roles = Table("role", "log", "last written", title="roles")
-    for log in sorted((run_dir / "logs").glob("*.log")):
-        age = time.time() - log.stat().st_mtime
-        roles.add_row(log.stem, str(log), f"{age:.0f}s ago")
-    console.print(roles)
+    console.print(roles_table(run_dir))
     if (plan := CorePlan.load(run_dir)) is not None:
         console.print(escape(plan.summary()))
 
@@ -118,48 +114,67 @@ def show(run_dir: Path, console: Console | None = None) -> int:
     console.print(pools)
 
     if live is not None:
-        stats = live.stats
-        console.print(
-            f"buffer at {tcp(config.cluster.host, config.cluster.buffer_port)}: policy version "
-            f"{live.policy_version}, holds {figure(stats, 'buffer_held', '.0f')} samples "
-            f"({figure(stats, 'buffer_held_bytes', '.1f', scale=2**-20)} MiB), "
-            f"{figure(stats, 'buffer_in_flight_groups', '.0f')} groups in flight, "
-            f"{figure(stats, 'buffer_generators_alive', '.0f')} generators alive"
-        )
-        generators = Table(
-            "generator", "pool", "last heard", "samples sent", "weight swaps", title="generators"
-        )
-        for name, counters in sorted(live.generators.items()):
-            generators.add_row(
-                name,
-                live.pools.get(name, "default"),
-                f"{figure(counters, 'seen_s_ago', '.1f')}s ago",
-                figure(counters, "samples_sent", ".0f"),
-                figure(counters, "weight_swaps", ".0f"),
-            )
-        console.print(generators)
+        print_live(console, config, live)
 
     evaluated = [record for record in records if record.get("eval_reward_mean") is not None]
     if evaluated:
         console.print(eval_line(evaluated[-1]))
 
     if metrics:
-        recent = Table(
-            "step", "version", "reward", "staleness mean/max", "samples/s", title="recent steps"
-        )
-        for record in metrics[-RECENT_STEPS:]:
-            staleness = "/".join(
-                [figure(record, "staleness_mean", ".2f"), figure(record, "staleness_max", ".0f")]
-            )
-            recent.add_row(
-                figure(record, "step", add=1),
-                figure(record, "version"),
-                figure(record, "reward_mean", ".3f"),
-                staleness,
-                figure(record, "samples_per_s", ".1f"),
-            )
-        console.print(recent)
+        console.print(recent_steps(metrics[-RECENT_STEPS:]))
     return 0
+
+
+def roles_table(run_dir: Path) -> Table:
+    """Each role's log and how long ago it was last written."""
+    roles = Table("role", "log", "last written", title="roles")
+    for log in sorted((run_dir / "logs").glob("*.log")):
+        age = time.time() - log.stat().st_mtime
+        roles.add_row(log.stem, str(log), f"{age:.0f}s ago")
+    return roles
+
+
+def print_live(console: Console, config: Config, live: Status) -> None:
+    """What the running buffer says: its holdings, and each generator it hears from."""
+    stats = live.stats
+    console.print(
+        f"buffer at {tcp(config.cluster.host, config.cluster.buffer_port)}: policy version "
+        f"{live.policy_version}, holds {figure(stats, 'buffer_held', '.0f')} samples "
+        f"({figure(stats, 'buffer_held_bytes', '.1f', scale=2**-20)} MiB), "
+        f"{figure(stats, 'buffer_in_flight_groups', '.0f')} groups in flight, "
+        f"{figure(stats, 'buffer_generators_alive', '.0f')} generators alive"
+    )
+    generators = Table(
+        "generator", "pool", "last heard", "samples sent", "weight swaps", title="generators"
+    )
+    for name, counters in sorted(live.generators.items()):
+        generators.add_row(
+            name,
+            live.pools.get(name, "default"),
+            f"{figure(counters, 'seen_s_ago', '.1f')}s ago",
+            figure(counters, "samples_sent", ".0f"),
+            figure(counters, "weight_swaps", ".0f"),
+        )
+    console.print(generators)
+
+
+def recent_steps(records: list[dict]) -> Table:
+    """The last steps' version, reward, staleness and throughput."""
+    recent = Table(
+        "step", "version", "reward", "staleness mean/max", "samples/s", title="recent steps"
+    )
+    for record in records:
+        staleness = "/".join(
+            [figure(record, "staleness_mean", ".2f"), figure(record, "staleness_max", ".0f")]
+        )
+        recent.add_row(
+            figure(record, "step", add=1),
+            figure(record, "version"),
+            figure(record, "reward_mean", ".3f"),
+            staleness,
+            figure(record, "samples_per_s", ".1f"),
+        )
+    return recent
 
 
 def eval_line(e: dict) -> str:
