@@ -46,7 +46,12 @@ from asyncrl.generation.envs.sandbox.bwrap import (
 )
 from asyncrl.generation.envs.sandbox.cgroup_detect import CgroupSupport
 from asyncrl.generation.envs.sandbox.cgroups import CallGroup
-from asyncrl.generation.envs.sandbox.limits import call_limits, prelude_command, rlimits
+from asyncrl.generation.envs.sandbox.limits import (
+    CallLimits,
+    call_limits,
+    prelude_command,
+    rlimits,
+)
 from asyncrl.generation.envs.sandbox.process import (
     collect_output,
     kill_group,
@@ -118,15 +123,8 @@ def run_bubblewrap(
     """Run ``code`` in ``sandbox`` under bubblewrap (as host ``uid``/``gid`` when
     given), in a cgroup of ``cgroups`` when it has one."""
     program = seccomp_program()
-    limits = call_limits(
-        memory_mb=sandbox.memory_mb,
-        tmp_mb=sandbox.tmp_mb,
-        shm_mb=sandbox.shm_mb,
-        max_processes=sandbox.max_processes,
-        cpus=sandbox.cpus,
-    )
     try:
-        group = cgroups.create(limits)
+        group = cgroups.create(_call_limits(sandbox))
     except OSError as exc:
         log.error("python sandbox: could not create a call's cgroup: %s", exc)
         return not_run(f"could not create the call's cgroup ({cgroups.mode}): {exc}")
@@ -141,18 +139,7 @@ def run_bubblewrap(
         fds.append(code_fd)
         filter_fd = memfd("seccomp", program)
         fds.append(filter_fd)
-        config = {
-            "rlimits": rlimits(
-                timeout_s=sandbox.timeout_s,
-                memory_mb=sandbox.memory_mb,
-                max_file_mb=sandbox.max_file_mb,
-                max_open_files=sandbox.max_open_files,
-                max_processes=sandbox.max_processes,
-            ),
-            "report_fd": report_w,
-            "main": "/tmp/main.py",
-            "init": True,
-        }
+        config = _prelude_config(sandbox, report_fd=report_w)
         command = prelude_command(sandbox.python, sandbox.site_packages, config)
         args = bwrap_command(
             sandbox,
@@ -162,23 +149,10 @@ def run_bubblewrap(
             status_fd=status_w,
             block_fd=block_r,
         )
-        user_args: dict[str, Any] = {}
-        if uid is not None:
-            user_args = {"user": uid, "group": gid, "extra_groups": []}
         start = time.monotonic()
         passed = (status_w, report_w, code_fd, filter_fd, block_r)
         try:
-            proc = subprocess.Popen(
-                args,
-                cwd="/",
-                env={"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"},
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=passed,
-                start_new_session=True,
-                **user_args,
-            )
+            proc = _start_bubblewrap(args, passed, uid=uid, gid=gid)
         except OSError as exc:
             group.close()
             as_user = f" as uid {uid} (Sandbox.user)" if uid is not None else ""
@@ -214,6 +188,55 @@ def run_bubblewrap(
     layers = applied_layers(bwrap_status, separate_user=uid is not None, call_cgroup=group.mode)
     returncode = child_returncode(proc.returncode)  # PID 1 killed at the time limit: -9
     return SandboxResult(out, err, returncode, timed_out, truncated, duration, layers, notes)
+
+
+def _start_bubblewrap(
+    args: list[str], passed: tuple[int, ...], *, uid: int | None, gid: int | None
+) -> subprocess.Popen:
+    """bwrap in a session of its own, with only ``passed`` open, a bare environment, and
+    as host ``uid``/``gid`` (no supplementary groups) when given."""
+    user_args: dict[str, Any] = {}
+    if uid is not None:
+        user_args = {"user": uid, "group": gid, "extra_groups": []}
+    return subprocess.Popen(
+        args,
+        cwd="/",
+        env={"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        pass_fds=passed,
+        start_new_session=True,
+        **user_args,
+    )
+
+
+def _call_limits(sandbox: Sandbox) -> CallLimits:
+    """What the call's cgroup bounds: memory (with the tmpfs), processes, CPUs."""
+    return call_limits(
+        memory_mb=sandbox.memory_mb,
+        tmp_mb=sandbox.tmp_mb,
+        shm_mb=sandbox.shm_mb,
+        max_processes=sandbox.max_processes,
+        cpus=sandbox.cpus,
+    )
+
+
+def _prelude_config(sandbox: Sandbox, *, report_fd: int) -> dict[str, Any]:
+    """What the prelude applies inside the sandbox before the code runs: its rlimits,
+    then it reports on ``report_fd`` and runs ``/tmp/main.py`` under an init."""
+    return {
+        "rlimits": rlimits(
+            timeout_s=sandbox.timeout_s,
+            memory_mb=sandbox.memory_mb,
+            max_file_mb=sandbox.max_file_mb,
+            max_open_files=sandbox.max_open_files,
+            max_processes=sandbox.max_processes,
+        ),
+        "report_fd": report_fd,
+        "main": "/tmp/main.py",
+        "init": True,
+    }
 
 
 def _hold_until_placed(
