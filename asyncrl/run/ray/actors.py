@@ -22,10 +22,18 @@ import os
 import signal
 import socket
 import sys
+import threading
 import traceback
 from pathlib import Path
 
 from asyncrl.core.stop_signals import StopSignals
+
+FAILED_EXIT_S = 10.0
+"""A role that raised ends its actor's process this long after the error. The driver
+learns of a failure from the task's reply; when that reply is lost (the actor's host
+was cut off from the driver while its role failed, and the connection did not survive
+the cut), the actor's death, which Ray's node manager reports once the host is back,
+is what tells it, so the replica is still replaced."""
 
 
 class RoleActor:
@@ -91,6 +99,7 @@ class RoleActor:
             except BaseException:
                 traceback.print_exc()
                 sys.stderr.flush()
+                exit_later(FAILED_EXIT_S)
                 raise
 
 
@@ -100,6 +109,14 @@ class Stopped(BaseException):
 
 def _raise_stopped(signum: int) -> None:
     raise Stopped
+
+
+def exit_later(delay_s: float) -> None:
+    """End this process ``delay_s`` from now, whatever it is doing then (a daemon timer:
+    the role's own cleanup has run by the time its error reaches here)."""
+    timer = threading.Timer(delay_s, os._exit, args=(1,))
+    timer.daemon = True
+    timer.start()
 
 
 def terminate(pids: list[int]) -> None:
