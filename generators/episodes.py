@@ -139,8 +139,6 @@ class Episodes:
         environment's thread). ``max_prompt_tokens``: ``data.max_prompt_tokens``, the
         longest prompt an episode may start from."""
         self.config = config
-        self.one_turn = config is None
-        """No environment: every episode is one model turn, scored by the reward function."""
         self.scorer = scorer
         self.decode = tokenizer.decode
         self.max_prompt_tokens = max_prompt_tokens
@@ -158,6 +156,11 @@ class Episodes:
             self.formatter = build_formatter(config.formatter, tokenizer)
             self.pool = StepPool(config.workers, max_stuck=MAX_STUCK_THREADS, name="environment")
             self.failures = EpisodeFailures(self.stats, config.step_timeout_s)
+
+    @property
+    def one_turn(self) -> bool:
+        """No environment: every episode is one model turn, scored by the reward function."""
+        return self.config is None
 
     @property
     def end_of_turn(self) -> str:
